@@ -1,0 +1,209 @@
+"""The `dspark-trt` command line: each command is a thin shell over a library call."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from dspark_trt import __version__
+from dspark_trt.errors import DsparkError
+
+CONTEXT = {"show_default": True, "help_option_names": ["-h", "--help"]}
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, prog_name="dspark-trt")
+@click.option("--debug", is_flag=True, help="Show full tracebacks for errors.")
+@click.pass_context
+def cli(ctx: click.Context, debug: bool) -> None:
+    """Adaptive speculative decoding: export, build, run, benchmark and serve."""
+    ctx.obj = {"debug": debug}
+
+
+@cli.command()
+@click.option("--target", "target_dir", required=True, type=click.Path(), help="Target model directory (HF layout).")
+@click.option("--draft", "draft_dir", required=True, type=click.Path(), help="Draft model directory (HF layout).")
+@click.option("--head", "head_dir", type=click.Path(), default=None,
+              help="Directory with confidence_head.safetensors/json (default: the draft directory, if present).")
+@click.option("--out", "out_dir", required=True, type=click.Path(), help="Artifact directory to write.")
+@click.option("--max-draft", default=7, type=click.IntRange(1, 32), help="Maximum draft length K.")
+@click.option("--max-batch", default=64, type=click.IntRange(1, 4096), help="Maximum concurrent requests.")
+@click.option("--max-context", default=1024, type=click.IntRange(16, 1 << 20), help="Maximum context length.")
+@click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16"]), help="Precision of the exported graphs.")
+@click.option("--force", is_flag=True, help="Overwrite an existing artifact directory.")
+def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, force):
+    """Export target and draft to ONNX with dspark custom ops, plus a manifest."""
+    from dspark_trt.exporter.export import export_artifacts
+
+    out = export_artifacts(target_dir, draft_dir, out_dir, head_dir=head_dir, max_draft=max_draft,
+                           max_batch=max_batch, max_context=max_context, dtype=dtype, overwrite=force)
+    click.echo(f"wrote {out}")
+
+
+@cli.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--trt-version", default=None, help="TensorRT version to lint against (default: the bundled list).")
+def check(artifact_dir, trt_version):
+    """Check an artifact directory: manifest, hashes, ONNX checker, TensorRT lint."""
+    from dspark_trt.exporter.check import check_artifacts
+
+    report = check_artifacts(artifact_dir, trt_version=trt_version)
+    for line in report.summary_lines():
+        click.echo(line)
+    if not report.ok:
+        for problem in report.problems:
+            click.echo(f"problem: {problem}", err=True)
+        sys.exit(1)
+
+
+@cli.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--out", "out_dir", default=None, type=click.Path(), help="Engine directory (default: ARTIFACT_DIR/engines).")
+@click.option("--dry-run", is_flag=True, help="Print the build plan without TensorRT.")
+@click.option("--plugin-mode", default="aot", type=click.Choice(["aot", "jit"]), help="Preferred plugin implementation.")
+def build(artifact_dir, out_dir, dry_run, plugin_mode):
+    """Build TensorRT engines for the draft and target graphs."""
+    from dspark_trt.exporter.build import build_engines, plan_build
+
+    if dry_run:
+        click.echo(json.dumps(plan_build(artifact_dir, out_dir=out_dir, plugin_mode=plugin_mode), indent=2))
+        return
+    for path in build_engines(artifact_dir, out_dir=out_dir, plugin_mode=plugin_mode):
+        click.echo(f"wrote {path}")
+
+
+def _generation_options(f):
+    for decorator in reversed([
+        click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]), help="Execution backend."),
+        click.option("--spec", default="adaptive", help="Speculation: off | fixed:K | adaptive."),
+        click.option("--temperature", default=0.0, type=click.FloatRange(0.0), help="0 = greedy."),
+        click.option("--max-new-tokens", default=64, type=click.IntRange(1), help="Tokens to generate per prompt."),
+        click.option("--seed", default=0, type=int, help="Seed for sampling."),
+    ]):
+        f = decorator(f)
+    return f
+
+
+@cli.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
+@click.option("--prompts-file", type=click.Path(), default=None, help="A text file (one prompt per line) or JSONL with a 'prompt' field.")
+@_generation_options
+@click.option("--compare", is_flag=True, help="Also run without speculation and print the speed-up.")
+@click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
+def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, max_new_tokens, seed, compare, as_json):
+    """Generate text with (adaptive) speculative decoding."""
+    from dspark_trt.runtime.cli_generate import run_generate
+
+    run_generate(artifact_dir, list(prompts), prompts_file, backend=backend, spec=spec, temperature=temperature,
+                 max_new_tokens=max_new_tokens, seed=seed, compare=compare, as_json=as_json, echo=click.echo)
+
+
+@cli.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]), help="Execution backend.")
+@click.option("--repeats", default=5, type=click.IntRange(1), help="Repeats per point (median is kept).")
+def profile(artifact_dir, backend, repeats):
+    """Measure verify/draft step costs and save cost_profile.json."""
+    from dspark_trt.runtime.cost_model import profile_artifact
+
+    path = profile_artifact(artifact_dir, backend=backend, repeats=repeats)
+    click.echo(f"wrote {path}")
+
+
+@cli.command("train-head")
+@click.option("--target", "target_dir", required=True, type=click.Path())
+@click.option("--draft", "draft_dir", required=True, type=click.Path())
+@click.option("--data", required=True, type=click.Path(), help="Directory of text/code files or a JSONL of prompts.")
+@click.option("--out", "out_dir", default=None, type=click.Path(), help="Where to write the head (default: the draft directory).")
+@click.option("--max-draft", default=7, type=click.IntRange(1, 32))
+@click.option("--steps", default=2000, type=click.IntRange(1))
+@click.option("--rank", default=64, type=click.IntRange(1), help="Rank of the previous-token embedding.")
+@click.option("--labels", default="expected", type=click.Choice(["expected", "greedy"]), help="Soft 1-TV labels or greedy exact match.")
+@click.option("--seed", default=0, type=int)
+@click.option("--force", is_flag=True, help="Overwrite an existing head.")
+def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, labels, seed, force):
+    """Train the confidence head on real acceptance labels."""
+    from dspark_trt.training.head_training import train_head as run
+
+    path = run(target_dir, draft_dir, data, out_dir=out_dir, max_draft=max_draft, steps=steps, rank=rank,
+               labels=labels, seed=seed, overwrite=force)
+    click.echo(f"wrote {path}")
+
+
+@cli.command()
+@click.option("--target", "target_dir", required=True, type=click.Path())
+@click.option("--draft", "draft_dir", required=True, type=click.Path())
+@click.option("--head", "head_dir", default=None, type=click.Path(), help="Head directory (default: the draft directory).")
+@click.option("--data", required=True, type=click.Path(), help="Held-out directory of text/code files or JSONL.")
+@click.option("--report", default=None, type=click.Path(), help="Write the calibration report (JSON; PNGs beside it).")
+@click.option("--max-draft", default=7, type=click.IntRange(1, 32))
+@click.option("--seed", default=0, type=int)
+def calibrate(target_dir, draft_dir, head_dir, data, report, max_draft, seed):
+    """Sequential temperature scaling of the confidence head, with a report."""
+    from dspark_trt.training.calibration import calibrate as run
+
+    result = run(target_dir, draft_dir, data, head_dir=head_dir, report_path=report, max_draft=max_draft, seed=seed)
+    for line in result.table_lines():
+        click.echo(line)
+
+
+@cli.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]))
+@click.option("--concurrency", default="1,2,4,8,16,32,64", help="Comma-separated concurrency levels.")
+@click.option("--modes", default="off,fixed:1,fixed:2,fixed:3,fixed:4,fixed:5,fixed:6,fixed:7,adaptive")
+@click.option("--num-prompts", default=64, type=click.IntRange(1))
+@click.option("--max-new-tokens", default=64, type=click.IntRange(1))
+@click.option("--temperature", default=0.0, type=click.FloatRange(0.0))
+@click.option("--seed", default=0, type=int)
+@click.option("--prompts-file", default=None, type=click.Path())
+@click.option("--out", "out_dir", default="bench-results", type=click.Path())
+@click.option("--quick", is_flag=True, help="Small preset for smoke tests (under 3 minutes).")
+@click.option("--peers", is_flag=True, help="Also run HF transformers assisted generation at batch 1.")
+def bench(artifact_dir, backend, concurrency, modes, num_prompts, max_new_tokens, temperature, seed, prompts_file,
+          out_dir, quick, peers):
+    """Benchmark throughput vs concurrency for every speculation mode."""
+    from dspark_trt.bench.harness import run_bench
+
+    path = run_bench(artifact_dir, backend=backend, concurrency=concurrency, modes=modes, num_prompts=num_prompts,
+                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, prompts_file=prompts_file,
+                     out_dir=out_dir, quick=quick, peers=peers, echo=click.echo)
+    click.echo(f"wrote {path}")
+
+
+@cli.command()
+@click.argument("artifact_dir", type=click.Path())
+@click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]))
+@click.option("--host", default="127.0.0.1")
+@click.option("--port", default=8000, type=click.IntRange(0, 65535))
+@click.option("--max-batch", default=None, type=click.IntRange(1), help="Concurrent requests (default: the manifest's).")
+@click.option("--max-queue", default=256, type=click.IntRange(1), help="Queued requests before answering 429.")
+def serve(artifact_dir, backend, host, port, max_batch, max_queue):
+    """Serve an OpenAI-compatible completions API."""
+    from dspark_trt.serve.server import serve as run
+
+    run(artifact_dir, backend=backend, host=host, port=port, max_batch=max_batch, max_queue=max_queue)
+
+
+def main(argv=None) -> None:
+    debug = "--debug" in (argv if argv is not None else sys.argv[1:])
+    try:
+        cli.main(args=argv, prog_name="dspark-trt", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except DsparkError as e:
+        if debug:
+            raise
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

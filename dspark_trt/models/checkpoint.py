@@ -1,0 +1,97 @@
+"""Load and save Hugging Face checkpoint directories (config.json + safetensors, sharded or not)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.models.config import ModelConfig, load_config
+from dspark_trt.models.decoder import Decoder
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
+           "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise DsparkError(f"unknown dtype {name!r} (use fp32, fp16 or bf16)") from None
+
+
+def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return load_file(str(single))
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        state = {}
+        for shard in sorted(set(weight_map.values())):
+            path = model_dir / shard
+            if not path.is_file():
+                raise DsparkError(f"shard {shard} listed in {index} is missing")
+            state.update(load_file(str(path)))
+        return state
+    raise DsparkError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
+
+
+def load_decoder(model_dir: str | Path, dtype: str | torch.dtype = "fp32") -> Decoder:
+    """Build a Decoder from a HF checkpoint directory; missing tensors are a DsparkError naming the key."""
+    cfg = load_config(model_dir)
+    model = Decoder(cfg)
+    state = read_state_dict(model_dir)
+    expected = model.state_dict()
+    for key in expected:
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if key not in state:
+            raise DsparkError(f"checkpoint {model_dir} is missing tensor {key!r}")
+        if tuple(state[key].shape) != tuple(expected[key].shape):
+            raise DsparkError(f"tensor {key!r} in {model_dir} has shape {tuple(state[key].shape)}, "
+                              f"config.json implies {tuple(expected[key].shape)}")
+    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    return model.to(dtype).eval()
+
+
+def save_decoder(model: Decoder, model_dir: str | Path, dtype: str = "fp32") -> None:
+    from safetensors.torch import save_file
+
+    model_dir = Path(model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    dt = torch_dtype(dtype)
+    state = {k: v.detach().to(dt).contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}[dt]
+    (model_dir / "config.json").write_text(json.dumps(model.config.to_hf_dict(hf_name), indent=2) + "\n")
+
+
+def config_of(model_dir: str | Path) -> ModelConfig:
+    return load_config(model_dir)
+
+
+def check_same_vocab(target_dir: str | Path, draft_dir: str | Path) -> None:
+    """Draft and target must share a tokenizer; a mismatch makes speculation meaningless."""
+    t, d = load_config(target_dir), load_config(draft_dir)
+    if t.vocab_size != d.vocab_size:
+        raise DsparkError(f"draft vocab_size {d.vocab_size} differs from target vocab_size {t.vocab_size}: "
+                          "the draft must use the target's tokenizer")
+    tt, dt = Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
+    if tt.is_file() and dt.is_file() and _vocab_of(tt) != _vocab_of(dt):
+        raise DsparkError(f"{dt} and {tt} define different vocabularies: the draft must use the target's tokenizer")
+
+
+def _vocab_of(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    return data.get("model", {}).get("vocab", {})
