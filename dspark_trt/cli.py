@@ -107,7 +107,7 @@ def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, ma
 @click.option("--repeats", default=5, type=click.IntRange(1), help="Repeats per point (median is kept).")
 def profile(artifact_dir, backend, repeats):
     """Measure verify/draft step costs and save cost_profile.json."""
-    from dspark_trt.runtime.cost_model import profile_artifact
+    from dspark_trt.runtime.profiling import profile_artifact
 
     path = profile_artifact(artifact_dir, backend=backend, repeats=repeats)
     click.echo(f"wrote {path}")

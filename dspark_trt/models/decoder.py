@@ -227,5 +227,16 @@ class Decoder(nn.Module):
         return ([torch.zeros(shape, dtype=dtype) for _ in range(c.num_hidden_layers)],
                 [torch.zeros(shape, dtype=dtype) for _ in range(c.num_hidden_layers)])
 
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> "Decoder":
+        """HF-style initialisation for training from scratch (normal(0, std), zero biases)."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, (nn.Linear, nn.Embedding)):
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=gen) * std)
+                    if getattr(m, "bias", None) is not None:
+                        m.bias.zero_()
+        return self
+
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())

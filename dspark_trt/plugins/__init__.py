@@ -1,0 +1,15 @@
+"""The dspark custom ops (acceptance scoring inside the engine): one spec, many implementations.
+
+* :mod:`.spec`            the contract: names, I/O, attributes, shape rules, ``make_node``  (no deps)
+* :mod:`.reference`       numpy ground truth                                                (numpy)
+* :mod:`.onnx_functions`  model-local ONNX FunctionProtos, ``attach_functions``            (onnx)
+* :mod:`.launch`          grids and block sizes                                             (no deps)
+* :mod:`.kernels`         Triton kernels, torch launchers, AOT PTX compilation              (torch, triton)
+* :mod:`.tensorrt_plugins` TensorRT plugin registration                                     (tensorrt)
+
+This package imports only the spec: importing it must never pull in torch, triton or tensorrt.
+"""
+
+from dspark_trt.plugins.spec import DOMAIN, OPS, PLUGIN_NAMESPACE, VERSION, OpSpec, make_node
+
+__all__ = ["DOMAIN", "OPS", "PLUGIN_NAMESPACE", "VERSION", "OpSpec", "make_node"]

@@ -1,0 +1,131 @@
+"""The two exported graphs as torch modules: one draft step and one target prefill/verify step.
+
+Both run packed batches (see models/decoder.py). The dspark custom ops appear as single ONNX nodes
+under export (torch.onnx.ops.symbolic) and run the numpy reference in eager mode, so the torch
+backend and the ONNX graphs compute the same thing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from dspark_trt.models.confidence_head import ConfidenceHead
+from dspark_trt.models.decoder import Decoder, PackedBatch
+
+PACKED_INPUTS = ["tokens", "positions", "pack_index", "unpack_index", "query_lens", "past_lens", "slot_ids"]
+DRAFT_INPUTS = PACKED_INPUTS + ["temperature", "uniforms", "prev_survival", "draft_position"]
+DRAFT_OUTPUTS = ["draft_token", "draft_probs", "survival", "confidence_logit"]
+TARGET_INPUTS = PACKED_INPUTS + ["verify_index", "verify_lens", "draft_tokens", "draft_probs", "temperature",
+                                 "accept_uniforms", "sample_uniforms"]
+TARGET_OUTPUTS = ["accepted", "next_token"]
+FALLBACK_CLAMP = 1e-6
+
+
+def kv_names(num_layers: int, prefix: str) -> list[str]:
+    if prefix == "past":
+        return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    return [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def call_op(name: str, inputs: list, attrs: dict, out_dtypes: list, out_shapes: list):
+    """A dspark op: one custom ONNX node under export, the numpy reference in eager mode."""
+    if torch.onnx.is_in_onnx_export():
+        attrs = dict(attrs, plugin_namespace="dspark")
+        if len(out_dtypes) == 1:
+            return (torch.onnx.ops.symbolic(f"dspark::{name}", inputs, attrs=attrs, dtype=out_dtypes[0],
+                                            shape=out_shapes[0], version=1),)
+        return torch.onnx.ops.symbolic_multi_out(f"dspark::{name}", inputs, attrs=attrs, dtypes=out_dtypes,
+                                                 shapes=out_shapes, version=1)
+    from dspark_trt.plugins import reference
+
+    fn = {"Survival": reference.survival, "GreedyAccept": reference.greedy_accept,
+          "SampleAccept": reference.sample_accept}[name]
+    args = [_numpy(x) for x in inputs] + ([list(attrs["temperatures"])] if name == "Survival" else [])
+    outs = fn(*args)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    return tuple(torch.from_numpy(np.asarray(o)).to(dt) for o, dt in zip(outs, out_dtypes))
+
+
+class _PackedGraph(nn.Module):
+    def __init__(self, decoder: Decoder):
+        super().__init__()
+        self.decoder = decoder
+        self.num_layers = decoder.config.num_hidden_layers
+
+    def run_decoder(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids, past):
+        batch = PackedBatch(tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                            list(past[0::2]), list(past[1::2]))
+        hidden, keys, values = self.decoder.forward_packed(batch)
+        present = [t for kv in zip(keys, values) for t in kv]
+        return hidden, present
+
+    def logits(self, hidden):
+        return self.decoder.lm_head(hidden).float()
+
+
+class DraftStep(_PackedGraph):
+    """One draft step: the next draft token of every request, its distribution, and the survival."""
+
+    def __init__(self, decoder: Decoder, head: ConfidenceHead | None, temperatures: list[float]):
+        super().__init__(decoder)
+        self.head = head
+        self.temperatures = [float(t) for t in temperatures]
+
+    def forward(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                temperature, uniforms, prev_survival, draft_position, *past):
+        hidden, present = self.run_decoder(tokens, positions, pack_index, unpack_index, query_lens, past_lens,
+                                           slot_ids, past)
+        r = pack_index.shape[0]
+        last = pack_index.gather(1, (query_lens - 1)[:, None])[:, 0]  # packed index of each request's last token
+        h_last = hidden[last]
+        logits = self.logits(h_last)  # [R, V]
+        zeros_i = torch.zeros_like(query_lens)
+        _, token = call_op("SampleAccept", [logits, torch.zeros_like(logits), zeros_i, zeros_i, temperature,
+                                            torch.zeros_like(temperature), uniforms],
+                           {}, [torch.int64, torch.int64], [[r], [r]])
+        greedy = (temperature <= 0)[:, None]
+        safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+        onehot = (torch.arange(logits.shape[1])[None, :] == token[:, None]).float()
+        probs = torch.where(greedy, onehot, torch.softmax(logits / safe_t, dim=-1))
+        if self.head is not None:
+            conf = self.head(h_last, tokens[last]).float()
+        else:
+            # No head: the draft's own confidence, max_v q(v) at temperature 1. It never depends on the
+            # drafted token itself (unlike q(x_k)), so it is also safe for lossless sampling.
+            m = torch.softmax(logits, dim=-1).max(dim=-1).values.clamp(FALLBACK_CLAMP, 1 - FALLBACK_CLAMP)
+            conf = torch.log(m) - torch.log1p(-m)
+        (surv,) = call_op("Survival", [conf[:, None], prev_survival, draft_position],
+                          {"temperatures": self.temperatures}, [torch.float32], [[r, 1]])
+        return (token, probs, surv[:, 0], conf, *present)
+
+
+class TargetStep(_PackedGraph):
+    """Prefill and verification of a packed batch, ending in the acceptance ops (no full logits out)."""
+
+    def __init__(self, decoder: Decoder, debug_logits: bool = False):
+        super().__init__(decoder)
+        self.debug_logits = debug_logits
+
+    def forward(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                verify_index, verify_lens, draft_tokens, draft_probs, temperature, accept_uniforms,
+                sample_uniforms, *past):
+        hidden, present = self.run_decoder(tokens, positions, pack_index, unpack_index, query_lens, past_lens,
+                                           slot_ids, past)
+        logits = self.logits(hidden[verify_index])  # only the rows that are scored: [M, V]
+        r = verify_lens.shape[0]
+        g_acc, g_next = call_op("GreedyAccept", [logits, draft_tokens, verify_lens], {},
+                                [torch.int64, torch.int64], [[r], [r]])
+        s_acc, s_next = call_op("SampleAccept", [logits, draft_probs, draft_tokens, verify_lens, temperature,
+                                                 accept_uniforms, sample_uniforms], {},
+                                [torch.int64, torch.int64], [[r], [r]])
+        greedy = temperature <= 0
+        accepted = torch.where(greedy, g_acc, s_acc)
+        next_token = torch.where(greedy, g_next, s_next)
+        extra = (logits,) if self.debug_logits else ()
+        return (accepted, next_token, *present, *extra)

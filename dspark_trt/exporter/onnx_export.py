@@ -1,0 +1,108 @@
+"""torch -> ONNX for the packed draft/target graphs, with dynamic dims and the dspark functions attached."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from dspark_trt.exporter.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, TARGET_INPUTS, TARGET_OUTPUTS, DraftStep,
+                                        TargetStep, kv_names)
+
+# Example sizes used for tracing; all distinct and >= 2 so no dim is specialised or aliased.
+EX_QUERY_LENS = [4, 1, 2]  # R = 3, Lq = 4, N = 7
+EX_VERIFY_LENS = [1, 0, 2]  # M = 6
+EX_PAST = 5
+
+
+def dim_names() -> dict[str, str]:
+    return {"N": "num_tokens", "R": "num_requests", "Lq": "query_len", "P": "past_len", "M": "verify_rows"}
+
+
+def _packed_examples(num_slots: int):
+    from dspark_trt.models.decoder import make_packed_index
+
+    ql = EX_QUERY_LENS
+    pack, unpack = make_packed_index(ql)
+    n = sum(ql)
+    return {
+        "tokens": torch.arange(n, dtype=torch.int64) % 7,
+        "positions": torch.tensor([EX_PAST + j for q in ql for j in range(q)], dtype=torch.int64),
+        "pack_index": pack, "unpack_index": unpack,
+        "query_lens": torch.tensor(ql, dtype=torch.int64),
+        "past_lens": torch.tensor([EX_PAST] * len(ql), dtype=torch.int64),
+        "slot_ids": torch.tensor([0, 2, 1], dtype=torch.int64) % num_slots,
+    }
+
+
+def _past(decoder, num_slots: int, dtype):
+    cfg = decoder.config
+    shape = (EX_PAST, num_slots, cfg.num_key_value_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=dtype) for _ in range(2 * cfg.num_hidden_layers)]
+
+
+def _dynamic_shapes(input_names, num_layers):
+    d = torch.export.Dim
+    n, r, lq, p, m = d("num_tokens", min=1), d("num_requests", min=1), d("query_len", min=1), \
+        d("past_len", min=1), d("verify_rows", min=1)
+    spec = {"tokens": {0: n}, "positions": {0: n}, "pack_index": {0: r, 1: lq}, "unpack_index": {0: n},
+            "query_lens": {0: r}, "past_lens": {0: r}, "slot_ids": {0: r}, "temperature": {0: r},
+            "uniforms": {0: r}, "prev_survival": {0: r}, "draft_position": {0: r}, "verify_index": {0: m},
+            "verify_lens": {0: r}, "draft_tokens": {0: m}, "draft_probs": {0: m}, "accept_uniforms": {0: m},
+            "sample_uniforms": {0: r}}
+    shapes = [spec[name] for name in input_names]
+    shapes.append(tuple({0: p} for _ in range(2 * num_layers)))
+    return tuple(shapes)
+
+
+def export_draft(step: DraftStep, path: Path, num_slots: int, dtype) -> None:
+    ex = _packed_examples(num_slots)
+    r = len(EX_QUERY_LENS)
+    ex.update(temperature=torch.tensor([0.0, 0.7, 1.0]), uniforms=torch.tensor([0.1, 0.5, 0.9]),
+              prev_survival=torch.tensor([1.0, 0.5, 0.25]), draft_position=torch.tensor([0, 1, 2], dtype=torch.int64))
+    args = tuple(ex[k] for k in DRAFT_INPUTS) + tuple(_past(step.decoder, num_slots, dtype))
+    assert len(ex["query_lens"]) == r
+    layers = step.num_layers
+    _export(step, args, DRAFT_INPUTS, DRAFT_OUTPUTS, layers, path)
+
+
+def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: int) -> None:
+    ex = _packed_examples(num_slots)
+    vl = EX_VERIFY_LENS
+    m = sum(v + 1 for v in vl)
+    starts = []
+    off = 0
+    for q in EX_QUERY_LENS:
+        off += q
+        starts.append(off)
+    # the last (L_r + 1) packed tokens of each request are scored
+    verify_index = torch.tensor([s - (v + 1) + j for s, v in zip(starts, vl) for j in range(v + 1)], dtype=torch.int64)
+    ex.update(verify_index=verify_index, verify_lens=torch.tensor(vl, dtype=torch.int64),
+              draft_tokens=torch.zeros(m, dtype=torch.int64), draft_probs=torch.full((m, vocab), 1.0 / vocab),
+              temperature=torch.tensor([0.0, 0.7, 1.0]), accept_uniforms=torch.full((m,), 0.5),
+              sample_uniforms=torch.tensor([0.1, 0.5, 0.9]))
+    args = tuple(ex[k] for k in TARGET_INPUTS) + tuple(_past(step.decoder, num_slots, dtype))
+    outputs = TARGET_OUTPUTS + (["logits"] if step.debug_logits else [])
+    _export(step, args, TARGET_INPUTS, outputs, step.num_layers, path)
+
+
+def _export(module, args, input_names, output_names, num_layers, path: Path) -> None:
+    import onnx
+
+    from dspark_trt.plugins.onnx_functions import attach_functions
+
+    names = list(input_names) + kv_names(num_layers, "past")
+    outs = list(output_names[:2] if module.__class__.__name__ == "TargetStep" else output_names)
+    if module.__class__.__name__ == "TargetStep":
+        outs = list(output_names[:2]) + kv_names(num_layers, "present") + list(output_names[2:])
+    else:
+        outs = list(output_names) + kv_names(num_layers, "present")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=outs,
+                                    dynamic_shapes=_dynamic_shapes(input_names, num_layers), optimize=True,
+                                    verbose=False, external_data=False)
+    model = program.model_proto
+    attach_functions(model)
+    onnx.save(model, str(path))

@@ -1,0 +1,32 @@
+"""The interface every backend implements: run one draft step or one target step on numpy arrays."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class Backend(Protocol):
+    name: str
+
+    def run_draft(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        """-> (outputs by name, present KV entries interleaved [k0, v0, k1, ...], each [N, KVH, D])."""
+
+    def run_target(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
+        ...
+
+
+def make_backend(name: str, artifact_dir, manifest: dict):
+    from dspark_trt.errors import DsparkError
+
+    if name == "ort":
+        from dspark_trt.runtime.backends.ort import OrtBackend
+        return OrtBackend(artifact_dir, manifest)
+    if name == "torch":
+        from dspark_trt.runtime.backends.torch_backend import TorchBackend
+        return TorchBackend(artifact_dir, manifest)
+    if name == "trt":
+        from dspark_trt.runtime.backends.trt import TrtBackend
+        return TrtBackend(artifact_dir, manifest)
+    raise DsparkError(f"unknown backend {name!r} (use ort, torch or trt)")

@@ -1,0 +1,59 @@
+"""ONNX Runtime backend (CPU by default; CUDA when onnxruntime-gpu is installed)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from dspark_trt.errors import DsparkError
+
+
+def _providers(ort) -> list[str]:
+    wanted = os.environ.get("DSPARK_ORT_PROVIDERS")
+    if wanted:
+        return wanted.split(",")
+    available = ort.get_available_providers()
+    return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+
+
+class OrtBackend:
+    name = "ort"
+
+    def __init__(self, artifact_dir, manifest: dict, threads: int | None = None):
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        if threads:
+            opts.intra_op_num_threads = threads
+        self.sessions = {}
+        self.outputs = {}
+        for graph in ("draft", "target"):
+            path = Path(artifact_dir) / manifest["graphs"][graph]["file"]
+            if not path.is_file():
+                raise DsparkError(f"{path} is missing: re-export the artifact with `dspark-trt export`")
+            try:
+                sess = ort.InferenceSession(str(path), opts, providers=_providers(ort))
+            except Exception as e:  # ORT raises its own exception types
+                raise DsparkError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}") from None
+            self.sessions[graph] = sess
+            self.outputs[graph] = [o.name for o in sess.get_outputs()]
+        self.num_layers = {g: manifest[g if g == "draft" else "model"]["num_layers"] for g in ("draft", "target")}
+
+    def _run(self, graph: str, feeds: dict, past: list[np.ndarray]):
+        n = self.num_layers[graph]
+        names = [f"past_key_values.{i}.{kv}" for i in range(n) for kv in ("key", "value")]
+        feeds = dict(feeds, **dict(zip(names, past)))
+        outs = self.sessions[graph].run(None, feeds)
+        named = dict(zip(self.outputs[graph], outs))
+        present = [named.pop(f"present.{i}.{kv}") for i in range(n) for kv in ("key", "value")]
+        return named, present
+
+    def run_draft(self, feeds, past):
+        return self._run("draft", feeds, past)
+
+    def run_target(self, feeds, past):
+        return self._run("target", feeds, past)

@@ -1,0 +1,34 @@
+"""Packing per-request queries into the engines' input layout (numpy only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def pack_queries(queries: list[list[int]], past_lens: list[int], slots: list[int]) -> dict[str, np.ndarray]:
+    """Packed feeds for N = sum(len(q)) new tokens from R requests (see models/decoder.py)."""
+    ql = np.fromiter((len(q) for q in queries), dtype=np.int64, count=len(queries))
+    past = np.asarray(past_lens, dtype=np.int64)
+    lq = int(ql.max())
+    starts = np.cumsum(ql) - ql
+    j = np.arange(lq, dtype=np.int64)
+    valid = j[None, :] < ql[:, None]
+    pack_index = np.where(valid, starts[:, None] + j[None, :], 0)
+    unpack_index = np.flatnonzero(valid.ravel()).astype(np.int64)
+    positions = (past[:, None] + j[None, :])[valid]
+    tokens = np.fromiter((t for q in queries for t in q), dtype=np.int64, count=int(ql.sum()))
+    return {"tokens": tokens, "positions": positions, "pack_index": pack_index, "unpack_index": unpack_index,
+            "query_lens": ql, "past_lens": past, "slot_ids": np.asarray(slots, dtype=np.int64)}
+
+
+def token_slots(feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return np.repeat(feeds["slot_ids"], feeds["query_lens"])
+
+
+def verify_rows(query_lens: np.ndarray, verify_lens: np.ndarray) -> np.ndarray:
+    """Packed indices of the last (L_r + 1) tokens of each request: the rows the acceptance ops score."""
+    ends = np.cumsum(query_lens)
+    counts = verify_lens + 1
+    offsets = np.cumsum(counts) - counts
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(offsets, counts)
+    return np.repeat(ends - counts, counts) + within

@@ -1,0 +1,51 @@
+"""Per-request generation settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dspark_trt.errors import DsparkError
+
+
+@dataclass(frozen=True)
+class SpecMode:
+    kind: str  # "off" | "fixed" | "adaptive"
+    k: int = 0  # draft length for "fixed"
+
+    def __str__(self) -> str:
+        return f"fixed:{self.k}" if self.kind == "fixed" else self.kind
+
+
+def parse_spec(spec: str | SpecMode, max_draft: int | None = None) -> SpecMode:
+    if isinstance(spec, SpecMode):
+        mode = spec
+    elif spec in ("off", "adaptive"):
+        mode = SpecMode(spec)
+    elif isinstance(spec, str) and spec.startswith("fixed:") and spec[6:].isdigit():
+        mode = SpecMode("fixed", int(spec[6:]))
+    else:
+        raise DsparkError(f"spec {spec!r} is not one of off, fixed:K, adaptive")
+    if mode.kind == "fixed":
+        if mode.k == 0:
+            return SpecMode("off")
+        if max_draft is not None and mode.k > max_draft:
+            raise DsparkError(f"spec fixed:{mode.k} exceeds the artifact's max draft length {max_draft}; "
+                              f"re-export with --max-draft {mode.k}")
+    return mode
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    spec: str = "adaptive"  # "off" | "fixed:K" | "adaptive"
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_at_eos: bool = True
+
+    def validate(self, max_draft: int | None = None) -> SpecMode:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise DsparkError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise DsparkError(f"temperature must be >= 0, got {self.temperature!r}")
+        return parse_spec(self.spec, max_draft)

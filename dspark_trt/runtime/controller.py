@@ -1,0 +1,263 @@
+"""The thin stateful wrapper around the budget solver that the runtime calls once per step.
+
+``AdaptiveController(spec).plan(live_survival, request_ids, sampling_mask, cost, draft_batch)`` returns
+the verify length of every running request. Policies, matching ``GenerationConfig.spec``:
+
+- ``"off"``: verify nothing (plain decoding).
+- ``"fixed:K"``: verify min(K, drafted, cap) drafts per request.
+- ``"adaptive"``: the budget solver (:mod:`dspark_trt.runtime.solver`) on the profiled cost curve.
+
+Adaptive and lossless
+---------------------
+Greedy decoding is lossless under any verification policy, so when no request samples the controller
+uses the exact optimum of the live survivals (:func:`solve_budget`). When some request samples, the
+budget B must not depend on that request's current draft tokens (see the solver's module docstring:
+S_{r,k+1} is a function of x_k, so a B sized from live survivals would make "verify x_k" depend on
+x_k). The controller therefore sizes B with :func:`best_budget` on a *sizing matrix* whose rows are:
+
+- for a sampling request seen last step: its survival row from the previous step (stale, as vLLM does);
+- for a sampling request not seen before: a prior row, the exponentially weighted mean survival profile
+  of earlier steps (a fixed geometric profile before any step);
+- for a greedy request: its live row. Its drafts are functions of its own context only (independent of
+  the sampling requests' draft randomness), so using them cannot make admission of a sampled x_k depend
+  on x_k; this only makes the sizing less stale.
+
+and then admits the top-B slots of the *live* survivals (:func:`solve_budget_for_b`). Every input of B
+is fixed before the current sampled drafts exist, and with B fixed, admission of slot (r, k) depends
+only on slots that never depend on x_k; so each sampled request's verify length is a stopping rule
+("verify x_k?" is decided from x_1..x_{k-1} and independent quantities) and speculative sampling
+stays exactly target-distributed. The price is staleness, not bias: B is sized for last step's
+confidence, the allocation within B still follows the live one.
+
+Caps: a request near max_new_tokens or the context end can verify at most ``caps[r]`` drafts; caps are
+applied as an allocation constraint in both the sizing and the allocation (slots beyond a cap are
+never admitted, and B is sized only over slots that can be used).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable, Protocol, Sequence
+
+import numpy as np
+
+from dspark_trt.runtime.solver import best_budget, solve_budget, solve_budget_for_b
+
+__all__ = ["AdaptiveController", "ControllerMetrics", "CostModel", "parse_spec"]
+
+#: Survival profile used for new requests before any step has been seen: S_k = 0.7^k (first draft
+#: token accepted ~70% of the time, the seventh <10%, in line with vLLM's reported per-position rates).
+DEFAULT_PRIOR_ACCEPTANCE = 0.7
+
+
+class CostModel(Protocol):
+    """What the controller needs from a cost model (``CostTable`` provides it)."""
+
+    def verify_table(self) -> np.ndarray: ...
+
+    def draft_ms(self, batch: int) -> float: ...
+
+
+def parse_spec(spec: str) -> tuple[str, int | None]:
+    """``"off"`` | ``"fixed:K"`` | ``"adaptive"`` -> (policy, K or None)."""
+    s = str(spec).strip().lower()
+    if s in ("off", "adaptive"):
+        return s, None
+    if s.startswith("fixed:"):
+        try:
+            k = int(s.split(":", 1)[1])
+        except ValueError:
+            k = -1
+        if k >= 0:
+            return "fixed", k
+    raise ValueError(f"spec must be 'off', 'fixed:K' (K >= 0) or 'adaptive'; got {spec!r}")
+
+
+@dataclass
+class ControllerMetrics:
+    """Per-step metrics; the per-step series are bounded (the last ``window`` steps)."""
+
+    window: int = 4096
+    steps: int = 0
+    steps_by_mode: dict = field(default_factory=lambda: {"exact": 0, "stale": 0, "fixed": 0, "off": 0})
+    requests_planned: int = 0
+    drafts_verified: int = 0
+    prior_rows: int = 0  # sampling requests sized from the prior (no previous row)
+    capped_requests: int = 0  # requests whose cap was below the drafted length
+    budgets: deque = None  # chosen budget B per step
+    solver_us: deque = None  # planning time per step (stale matrix + solve + allocation), microseconds
+
+    def __post_init__(self):
+        self.budgets = deque(maxlen=self.window)
+        self.solver_us = deque(maxlen=self.window)
+
+    def record(self, mode: str, lengths: np.ndarray, elapsed_ns: int, capped: int = 0, prior: int = 0) -> None:
+        self.steps += 1
+        self.steps_by_mode[mode] += 1
+        self.requests_planned += int(lengths.size)
+        b = int(lengths.sum())
+        self.drafts_verified += b
+        self.capped_requests += capped
+        self.prior_rows += prior
+        self.budgets.append(b)
+        self.solver_us.append(elapsed_ns / 1e3)
+
+    def summary(self) -> dict:
+        us = np.asarray(self.solver_us, dtype=np.float64)
+        return {
+            "steps": self.steps,
+            "steps_by_mode": dict(self.steps_by_mode),
+            "drafts_verified": self.drafts_verified,
+            "mean_budget": float(np.mean(self.budgets)) if self.budgets else 0.0,
+            "solver_us_p50": float(np.percentile(us, 50)) if us.size else 0.0,
+            "solver_us_p99": float(np.percentile(us, 99)) if us.size else 0.0,
+            "prior_rows": self.prior_rows,
+            "capped_requests": self.capped_requests,
+        }
+
+
+class AdaptiveController:
+    """Plans verify lengths each step; keeps the stale survivals, the prior profile and metrics.
+
+    spec: ``"adaptive"`` (default), ``"fixed:K"`` or ``"off"``.
+    prior_survival: 1-D survival profile for new requests before any step (default 0.7^k).
+    prior_decay: weight of the newest step in the running mean profile used as the prior.
+    """
+
+    def __init__(self, spec: str = "adaptive", *, prior_survival=None, prior_decay: float = 0.1,
+                 metrics_window: int = 4096):
+        self.policy, self.k_fixed = parse_spec(spec)
+        if not 0 < prior_decay <= 1:
+            raise ValueError(f"prior_decay must be in (0, 1]; got {prior_decay}")
+        self.prior_decay = float(prior_decay)
+        self._initial_prior = None if prior_survival is None else self._check_row(prior_survival)
+        self.metrics = ControllerMetrics(window=metrics_window)
+        self.reset()
+
+    # -- state ----------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Forget stale rows and the running prior (metrics are kept)."""
+        self._last: dict[Hashable, np.ndarray] = {}
+        self._mean: np.ndarray | None = None
+
+    @staticmethod
+    def _check_row(row) -> np.ndarray:
+        r = np.asarray(row, dtype=np.float64)
+        if r.ndim != 1 or not np.isfinite(r).all() or r.min(initial=0) < 0 or r.max(initial=0) > 1:
+            raise ValueError("prior_survival must be a 1-D array of probabilities")
+        return np.minimum.accumulate(r)
+
+    def prior_row(self, K: int) -> np.ndarray:
+        """The sizing row for a request with no previous row: running mean profile, else the initial prior."""
+        base = self._mean if self._mean is not None else self._initial_prior
+        if base is None:
+            return DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64)
+        return _fit_length(base, K)
+
+    def previous_row(self, request_id: Hashable) -> np.ndarray | None:
+        """The survival row stored for ``request_id`` at the last step it was planned in (or None)."""
+        return self._last.get(request_id)
+
+    # -- planning -------------------------------------------------------------------------------------
+    def plan(self, live_survival, request_ids: Sequence[Hashable], sampling_mask, cost: CostModel,
+             draft_batch: int, caps=None) -> np.ndarray:
+        """Verify lengths (R,) for this step, under the controller's policy. Call once per step.
+
+        live_survival: (R, K) this step's survivals. request_ids: R hashable ids (matched across steps,
+        order may change). sampling_mask: (R,) bool, True where the request samples (temperature > 0).
+        cost: a CostTable (``verify_table()``, ``draft_ms(b)``). draft_batch: requests in this step's
+        draft run. caps: optional (R,) most drafts each request may verify.
+        """
+        t0 = time.perf_counter_ns()
+        S = np.asarray(live_survival, dtype=np.float64)
+        if S.ndim != 2:
+            raise ValueError(f"live_survival must be (R, K); got shape {S.shape}")
+        R, K = S.shape
+        ids = list(request_ids)
+        if len(ids) != R:
+            raise ValueError(f"got {len(ids)} request ids for {R} survival rows")
+        if len(set(ids)) != R:
+            raise ValueError("request ids must be unique within a step")
+        sampling = np.asarray(sampling_mask, dtype=bool)
+        if sampling.shape != (R,):
+            raise ValueError(f"sampling_mask must have shape ({R},); got {sampling.shape}")
+        capv = None if caps is None else np.minimum(_check_caps(caps, R), K)
+        capped = 0 if capv is None else int((capv < K).sum())
+
+        if self.policy == "off":
+            return self._done("off", np.zeros(R, np.int64), t0, capped)
+        if self.policy == "fixed":
+            return self._done("fixed", self.plan_fixed(R, min(self.k_fixed, K), capv), t0, capped)
+
+        table = cost.verify_table()
+        draft_ms = float(cost.draft_ms(int(draft_batch))) if draft_batch else 0.0
+        prior = 0
+        if R == 0:
+            lengths, mode = np.zeros(0, np.int64), "exact"
+        elif not sampling.any():
+            lengths, mode = solve_budget(S, table, draft_ms, caps=capv), "exact"
+        else:
+            sizing = S.copy()
+            for i in np.flatnonzero(sampling):
+                row = self._last.get(ids[i])
+                if row is None:
+                    prior += 1
+                    sizing[i] = self.prior_row(K)
+                else:
+                    sizing[i] = _fit_length(row, K)
+            budget, _ = best_budget(sizing, table, draft_ms, caps=capv)
+            lengths, mode = solve_budget_for_b(S, budget, caps=capv), "stale"
+        self._remember(S, ids)
+        return self._done(mode, lengths, t0, capped, prior)
+
+    def plan_fixed(self, R: int, K: int, caps=None) -> np.ndarray:
+        """The fixed(K) policy: every request verifies K drafts, clipped to its cap."""
+        lengths = np.full(int(R), int(K), dtype=np.int64)
+        return lengths if caps is None else np.minimum(lengths, _check_caps(caps, int(R)))
+
+    def plan_off(self, R: int) -> np.ndarray:
+        """The off policy: verify no drafts (plain decoding)."""
+        return np.zeros(int(R), dtype=np.int64)
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _remember(self, S: np.ndarray, ids: list) -> None:
+        # Only this step's requests are kept: bounded memory; a request that skips a step falls back
+        # to the prior, which is just as independent of its future drafts.
+        self._last = {rid: S[i].copy() for i, rid in enumerate(ids)}
+        if S.shape[0] and S.shape[1]:
+            mean = np.minimum.accumulate(np.clip(S.mean(axis=0), 0.0, 1.0))
+            if self._mean is None:
+                self._mean = mean
+            else:
+                old = _fit_length(self._mean, mean.size)
+                self._mean = np.minimum.accumulate((1 - self.prior_decay) * old + self.prior_decay * mean)
+
+    def _done(self, mode: str, lengths: np.ndarray, t0: int, capped: int, prior: int = 0) -> np.ndarray:
+        self.metrics.record(mode, lengths, time.perf_counter_ns() - t0, capped, prior)
+        return lengths
+
+
+def _fit_length(row: np.ndarray, K: int) -> np.ndarray:
+    """A survival row truncated or extended to K positions (extension continues its last ratio)."""
+    n = row.size
+    if n >= K:
+        return row[:K]
+    if n == 0:
+        return DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64)
+    ratio = row[-1] / row[-2] if n >= 2 and row[-2] > 0 else row[0]
+    ratio = min(max(float(ratio), 0.0), 1.0)
+    return np.concatenate([row, row[-1] * ratio ** np.arange(1, K - n + 1)])
+
+
+def _check_caps(caps, R: int) -> np.ndarray:
+    c = np.asarray(caps)
+    if c.shape != (R,):
+        raise ValueError(f"caps must have shape ({R},); got {c.shape}")
+    if c.size and (not np.issubdtype(c.dtype, np.integer)) and (c != np.round(c)).any():
+        raise ValueError("caps must be whole numbers")
+    c = c.astype(np.int64)
+    if c.size and c.min() < 0:
+        raise ValueError("caps must be >= 0")
+    return c

@@ -1,0 +1,33 @@
+"""Preallocated KV buffers, one per layer: [max_context, slots, kv_heads, head_dim].
+
+Position-major so that `buffer[:P]` is a contiguous view the engines read without a copy; the engines
+return only the new entries, which are written at (position, slot). Rejected draft tokens are rolled
+back simply by not advancing a request's length.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KVCache:
+    def __init__(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int,
+                 dtype=np.float32):
+        shape = (max_context, slots, kv_heads, head_dim)
+        self.keys = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.max_context = max_context
+
+    def past(self, length: int) -> list[np.ndarray]:
+        """Interleaved [k0, v0, k1, v1, ...] views of the first `length` positions (at least 1)."""
+        n = max(1, length)
+        return [buf[:n] for kv in zip(self.keys, self.values) for buf in kv]
+
+    def write(self, present: list[np.ndarray], positions: np.ndarray, slots: np.ndarray) -> None:
+        """present: interleaved new entries [N, KVH, D]; positions/slots: [N] where each one goes."""
+        for i, new in enumerate(present):
+            (self.keys if i % 2 == 0 else self.values)[i // 2][positions, slots] = new
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.keys) * 2

@@ -1,0 +1,522 @@
+"""The runtime: continuous batching around a draft engine and a target engine.
+
+Each step: admit queued requests into free KV slots; draft for decoding requests (the draft first catches
+up on tokens it has not seen); decide verify lengths (off / fixed:K / adaptive solver); run one target
+step over the packed batch (prompt chunks and verifications together); commit accepted tokens plus the
+target's token; free finished requests. Numpy only: no torch on this path.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
+from dspark_trt.runtime.config import GenerationConfig, parse_spec
+from dspark_trt.runtime.kv_cache import KVCache
+from dspark_trt.runtime.metrics import Metrics
+from dspark_trt.runtime.request import Request
+
+PREFILL_CHUNK = 256
+
+
+@dataclass
+class GenerationResult:
+    prompt: str | list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict
+    error: str | None = None
+
+    def to_dict(self) -> dict:
+        d = {"prompt": self.prompt, "text": self.text, "token_ids": self.token_ids,
+             "finish_reason": self.finish_reason, "stats": self.stats}
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+def load_manifest(artifact_dir) -> dict:
+    try:
+        from dspark_trt.manifest import Manifest
+    except ImportError:  # pragma: no cover - manifest module is part of the package
+        Manifest = None
+    path = Path(artifact_dir) / "manifest.json"
+    if not Path(artifact_dir).is_dir():
+        raise DsparkError(f"artifact directory {artifact_dir} does not exist: create it with `dspark-trt export`")
+    if not path.is_file():
+        raise DsparkError(f"no manifest.json in {artifact_dir}: create the artifact with `dspark-trt export`")
+    if Manifest is not None and hasattr(Manifest, "load"):
+        m = Manifest.load(artifact_dir)
+        return m.data if hasattr(m, "data") else m.to_dict() if hasattr(m, "to_dict") else dict(m)
+    return json.loads(path.read_text())
+
+
+class Runtime:
+    def __init__(self, artifact_dir, manifest: dict, backend, tokenizer, max_batch: int | None = None,
+                 cost_table=None, max_queue: int | None = None):
+        self.artifact_dir = Path(artifact_dir)
+        self.manifest = manifest
+        self.backend = backend
+        self.tokenizer = tokenizer
+        lim = manifest["limits"]
+        self.slots_total = int(lim["max_batch"])
+        self.max_batch = min(int(max_batch or self.slots_total), self.slots_total)
+        self.max_context = int(lim["max_context"])
+        self.max_draft = int(lim["max_draft"])
+        self.max_tokens_per_step = int(lim["max_tokens_per_step"])
+        self.query_len_max = int(manifest["dims"]["query_len"]["max"])
+        self.eos_id = manifest.get("tokenizer", {}).get("eos_token_id")
+        self.vocab = int(manifest["model"]["vocab_size"])
+        kv_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[manifest["model"]["dtype"]]
+        m, d = manifest["model"], manifest["draft"]
+        self.target_kv = KVCache(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
+        self.draft_kv = KVCache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"], kv_dtype)
+        self.cost = cost_table
+        from dspark_trt.runtime.controller import AdaptiveController
+
+        self.controller = AdaptiveController("adaptive")
+        self.metrics = Metrics(self.max_draft)
+        self.slots: list[Request | None] = [None] * self.slots_total
+        self.waiting: deque[Request] = deque()
+        self.max_queue = max_queue
+        self._lock = threading.Condition()
+        self._next_id = 0
+        self._worker: threading.Thread | None = None
+        self._closed = False
+        self.stop_threshold = 0.0  # survivals below this stop drafting (learned from the last solve)
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def load(cls, artifact_dir, backend: str = "ort", max_batch: int | None = None, profile: str = "auto",
+             max_queue: int | None = None) -> "Runtime":
+        """Load an exported artifact. profile: "auto" (load cost_profile.json or measure one at start-up),
+        "load" (must exist), or "none" (adaptive then uses a per-token cost estimate)."""
+        from dspark_trt.runtime.backends.base import make_backend
+        from dspark_trt.runtime.tokenizer import load_tokenizer
+
+        manifest = load_manifest(artifact_dir)
+        be = make_backend(backend, artifact_dir, manifest)
+        tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
+        rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue)
+        if profile != "none":
+            from dspark_trt.runtime.profiling import load_or_profile
+
+            rt.cost = load_or_profile(rt, backend, measure_if_missing=(profile == "auto"))
+        return rt
+
+    # ------------------------------------------------------------------ submission
+    def encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise DsparkError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab - 1})")
+        return ids
+
+    def submit(self, prompt, config: GenerationConfig | None = None, stream: bool = False) -> Request:
+        """Queue a request (thread-safe). Errors that concern only this request finish it with an error."""
+        config = config or GenerationConfig()
+        mode = config.validate(self.max_draft)
+        ids = self.encode(prompt)
+        with self._lock:
+            if self._closed:
+                raise DsparkError("runtime is closed")
+            if self.max_queue is not None and len(self.waiting) >= self.max_queue:
+                raise QueueFullError(f"queue is full ({self.max_queue} waiting requests)")
+            req = Request(self._next_id, ids, config, mode, self.max_draft)
+            self._next_id += 1
+            if stream:
+                import queue
+
+                req.pieces = queue.Queue()
+            if not ids:
+                req.finish("error", "prompt is empty")
+            elif len(ids) >= self.max_context:
+                req.finish("error", f"prompt has {len(ids)} tokens; the artifact's max context is {self.max_context}")
+            else:
+                self.waiting.append(req)
+                self._lock.notify_all()
+            self._ensure_worker()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        with self._lock:
+            req.cancelled = True
+
+    def wait(self, req: Request) -> GenerationResult:
+        req.done.wait()
+        return self.result(req)
+
+    def result(self, req: Request, prompt=None) -> GenerationResult:
+        ids = req.generated_ids
+        text = self.tokenizer.decode(ids)
+        if req.finish_reason == "stop" and req.config.stop:
+            cut = min((text.find(s) for s in req.config.stop if s and s in text), default=-1)
+            text = text[:cut] if cut >= 0 else text
+        return GenerationResult(prompt if prompt is not None else req.prompt_ids, text, ids,
+                                req.finish_reason or "", req.stats.to_dict(), req.error)
+
+    def generate(self, prompts, config: GenerationConfig | list[GenerationConfig] | None = None) -> list[GenerationResult]:
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        plist = [prompts] if single else list(prompts)
+        configs = config if isinstance(config, list) else [config or GenerationConfig()] * len(plist)
+        reqs = [self.submit(p, c) for p, c in zip(plist, configs)]
+        for r in reqs:
+            r.done.wait()
+        return [self.result(r, p) for r, p in zip(reqs, plist)]
+
+    def stream(self, prompt, config: GenerationConfig | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are committed."""
+        req = self.submit(prompt, config, stream=True)
+        from dspark_trt.runtime.tokenizer import IncrementalDecoder
+
+        dec = IncrementalDecoder(self.tokenizer)
+        try:
+            while True:
+                ids = req.pieces.get()
+                if ids is None:
+                    break
+                piece = dec.push(ids)
+                if piece:
+                    yield piece
+            tail = dec.flush()
+            if tail:
+                yield tail
+            if req.error:
+                raise DsparkError(req.error)
+        finally:
+            if not req.finished:
+                self.cancel(req)
+
+    # ------------------------------------------------------------------ worker
+    def _ensure_worker(self) -> None:
+        if self._worker is None or not self._worker.is_alive():
+            self._worker = threading.Thread(target=self._loop, name="dspark-runtime", daemon=True)
+            self._worker.start()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and not self.waiting and not any(self.slots):
+                    self._lock.wait(timeout=1.0)
+                if self._closed:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # an engine failure must not leave callers waiting forever
+                self._fail_all(f"{type(e).__name__}: {e}")
+
+    def _fail_all(self, message: str) -> None:
+        with self._lock:
+            for i, r in enumerate(self.slots):
+                if r is not None:
+                    r.finish("error", message)
+                    self.slots[i] = None
+            while self.waiting:
+                self.waiting.popleft().finish("error", message)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        if self._worker is not None:
+            self._worker.join(timeout=10)
+        self._fail_all("runtime closed")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ one step
+    def _admit(self) -> list[Request]:
+        with self._lock:
+            for i, r in enumerate(self.slots):
+                if r is not None and r.cancelled:
+                    r.finish("cancelled")
+                    self.slots[i] = None
+            active = sum(r is not None for r in self.slots)
+            while self.waiting and active < self.max_batch:
+                req = self.waiting.popleft()
+                if req.cancelled:
+                    req.finish("cancelled")
+                    continue
+                req.slot = self.slots.index(None)
+                self.slots[req.slot] = req
+                active += 1
+            self.metrics.queue_depth = len(self.waiting)
+            return [r for r in self.slots if r is not None]
+
+    def step(self) -> bool:
+        active = self._admit()
+        if not active:
+            return False
+        t0 = time.perf_counter()
+        engine_ms = 0.0
+        decode = [r for r in active if r.uncached == 1]
+        prefill = [r for r in active if r.uncached > 1]
+        spec = [r for r in decode if r.mode.kind != "off" and self._draft_cap(r) > 0]
+
+        drafts, draft_ms = self._draft(spec) if spec else ({}, 0.0)
+        engine_ms += draft_ms
+        lengths, solver_us = self._lengths(decode, drafts, draft_ms)
+
+        # Target step: decode verifications first, prompt chunks fill the rest of the token budget.
+        queries, past_lens, slots, vlens, rows = [], [], [], [], []
+        budget = self.max_tokens_per_step
+        for r in decode:
+            L = lengths.get(r.id, 0)
+            q = [r.tokens[-1]] + drafts[r.id][0][:L] if L else [r.tokens[-1]]
+            queries.append(q)
+            vlens.append(L)
+            budget -= len(q)
+        chunked = []
+        for r in prefill:
+            n = min(r.uncached, PREFILL_CHUNK, self.query_len_max, max(budget, 0))
+            if n <= 0:
+                break
+            queries.append(r.tokens[r.target_len:r.target_len + n])
+            vlens.append(0)
+            chunked.append((r, n))
+            budget -= n
+        order = decode + [r for r, _ in chunked]
+        if not order:
+            return True
+        past_lens = [r.target_len for r in order]
+        slots = [r.slot for r in order]
+        feeds = pack_queries(queries, past_lens, slots)
+        vl = np.asarray(vlens, dtype=np.int64)
+        feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
+        feeds["verify_lens"] = vl
+        m = len(feeds["verify_index"])
+        draft_tokens = np.zeros(m, dtype=np.int64)
+        draft_probs = np.zeros((m, self.vocab), dtype=np.float32)
+        accept_u = np.zeros(m, dtype=np.float32)
+        sample_u = np.zeros(len(order), dtype=np.float32)
+        temps = np.asarray([r.config.temperature for r in order], dtype=np.float32)
+        row = 0
+        for i, r in enumerate(order):
+            L = int(vl[i])
+            if L:
+                toks, probs, _ = drafts[r.id]
+                draft_tokens[row:row + L] = toks[:L]
+                draft_probs[row:row + L] = probs[:L]
+            if r.sampling:
+                accept_u[row:row + L] = r.rng.random(L)
+                sample_u[i] = r.rng.random()
+            row += L + 1
+        feeds.update(draft_tokens=draft_tokens, draft_probs=draft_probs, temperature=temps,
+                     accept_uniforms=accept_u, sample_uniforms=sample_u)
+        te = time.perf_counter()
+        outs, present = self.backend.run_target(feeds, self.target_kv.past(max(past_lens)))
+        target_ms = (time.perf_counter() - te) * 1e3
+        engine_ms += target_ms
+        self.target_kv.write(present, feeds["positions"], token_slots(feeds))
+        verified = int(m)
+        if self.cost is not None and hasattr(self.cost, "observe_verify"):
+            self.cost.observe_verify(int(feeds["tokens"].shape[0]), target_ms)
+
+        accepted, next_tok = outs["accepted"], outs["next_token"]
+        now = time.perf_counter()
+        for i, r in enumerate(decode):
+            a, L = int(accepted[i]), int(vl[i])
+            new = (drafts[r.id][0][:a] if a else []) + [int(next_tok[i])]
+            r.target_len += 1 + a
+            if r.id in drafts:
+                fed = len(drafts[r.id][0]) - 1  # the last drafted token was never fed to the draft
+                r.draft_len = r.draft_len + min(a, fed)
+            st = r.stats
+            st.steps += 1
+            st.verified_tokens += L + 1
+            for k in range(L):
+                st.verified_per_position[k] += 1
+                if k < a:
+                    st.accepted_per_position[k] += 1
+            self.metrics.record_acceptance(L, a)
+            self._commit(r, new, now)
+        for j, (r, n) in enumerate(chunked):
+            i = len(decode) + j
+            r.target_len += n
+            if r.uncached == 0:  # the whole prompt is in the cache: its last row gave the first token
+                self._commit(r, [int(next_tok[i])], now)
+        self._release_finished()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        self.metrics.record_step(wall_ms, engine_ms, solver_us, verified, len(order),
+                                 sum(len(d[0]) for d in drafts.values()))
+        return True
+
+    # ------------------------------------------------------------------ drafting
+    def _draft_cap(self, r: Request) -> int:
+        k = r.mode.k if r.mode.kind == "fixed" else self.max_draft
+        room_new = r.remaining() - 1  # the target always adds one token
+        room_ctx = self.max_context - len(r.tokens) - 1
+        return max(0, min(k, room_new, room_ctx))
+
+    def _draft(self, reqs: list[Request]):
+        """Run draft steps; returns ({request id: (tokens, probs [k, V], survival [k])}, engine ms)."""
+        caps = {r.id: self._draft_cap(r) for r in reqs}
+        toks = {r.id: [] for r in reqs}
+        probs = {r.id: [] for r in reqs}
+        surv = {r.id: [] for r in reqs}
+        engine_ms = 0.0
+        # Catch-up: feed tokens the draft has not seen (prompt, previous verify's accepted tokens).
+        # Long catch-ups are fed in chunks first, so the first drafting call stays within the limits.
+        while True:
+            long = [r for r in reqs if len(r.tokens) - r.draft_len > PREFILL_CHUNK]
+            if not long:
+                break
+            qs = [r.tokens[r.draft_len:r.draft_len + PREFILL_CHUNK] for r in long]
+            _, ms = self._run_draft(long, qs, [1.0] * len(long), [0] * len(long))
+            engine_ms += ms
+            for r in long:
+                r.draft_len += PREFILL_CHUNK
+        current = list(reqs)
+        queries = [r.tokens[r.draft_len:] for r in current]
+        prev = {r.id: 1.0 for r in reqs}
+        k = 0
+        while current:
+            outs, ms = self._run_draft(current, queries, [prev[r.id] for r in current], [k] * len(current))
+            engine_ms += ms
+            nxt, nq = [], []
+            for i, r in enumerate(current):
+                r.draft_len += len(queries[i])
+                t = int(outs["draft_token"][i])
+                toks[r.id].append(t)
+                probs[r.id].append(outs["draft_probs"][i])
+                s = float(outs["survival"][i])
+                surv[r.id].append(s)
+                prev[r.id] = s
+                if len(toks[r.id]) < caps[r.id] and not (r.mode.kind == "adaptive" and s < self.stop_threshold):
+                    nxt.append(r)
+                    nq.append([t])
+            # Tokens fed this call are in the draft cache only provisionally: roll back to the committed
+            # prefix; _step advances draft_len by what the target accepts.
+            current, queries = nxt, nq
+            k += 1
+        for r in reqs:
+            r.draft_len = len(r.tokens)
+        out = {r.id: (toks[r.id], np.stack(probs[r.id]), np.asarray(surv[r.id], dtype=np.float32)) for r in reqs}
+        for r in reqs:
+            r.stats.drafted_tokens += len(toks[r.id])
+        return out, engine_ms
+
+    def _run_draft(self, reqs, queries, prev_survival, positions):
+        feeds = pack_queries(queries, [r.draft_len for r in reqs], [r.slot for r in reqs])
+        feeds["temperature"] = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
+        feeds["uniforms"] = np.asarray([r.rng.random() if r.sampling else 0.5 for r in reqs], dtype=np.float32)
+        feeds["prev_survival"] = np.asarray(prev_survival, dtype=np.float32)
+        feeds["draft_position"] = np.asarray(positions, dtype=np.int64)
+        t = time.perf_counter()
+        outs, present = self.backend.run_draft(feeds, self.draft_kv.past(int(feeds["past_lens"].max())))
+        ms = (time.perf_counter() - t) * 1e3
+        self.draft_kv.write(present, feeds["positions"], token_slots(feeds))
+        if self.cost is not None and hasattr(self.cost, "observe_draft"):
+            self.cost.observe_draft(len(reqs), ms)
+        return outs, ms
+
+    # ------------------------------------------------------------------ verify lengths
+    def _lengths(self, decode: list[Request], drafts: dict, draft_ms: float):
+        lengths: dict[int, int] = {}
+        adaptive = []
+        for r in decode:
+            if r.id not in drafts:
+                continue
+            n = len(drafts[r.id][0])
+            if r.mode.kind == "fixed":
+                lengths[r.id] = min(r.mode.k, n)
+            elif r.mode.kind == "adaptive":
+                adaptive.append(r)
+        if not adaptive:
+            return lengths, 0.0
+        surv = np.zeros((len(adaptive), self.max_draft), dtype=np.float64)
+        caps = np.zeros(len(adaptive), dtype=np.int64)
+        for i, r in enumerate(adaptive):
+            s = drafts[r.id][2]
+            surv[i, :len(s)] = s
+            caps[i] = len(s)
+        t = time.perf_counter_ns()
+        others = len(decode) - len(adaptive) + sum(lengths.values())
+        plan = self.controller.plan(surv, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
+                                    _StepCost(self._verify_table(others), draft_ms), len(adaptive), caps=caps)
+        solver_us = (time.perf_counter_ns() - t) / 1e3
+        for r, L in zip(adaptive, plan):
+            lengths[r.id] = int(L)
+        # Drafting further than the solver admits is wasted work: stop drafting next step once a
+        # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
+        # sampling lossless (it only removes later slots, which never outrank earlier ones).
+        admitted = surv[np.arange(surv.shape[1])[None, :] < plan[:, None]]
+        self.stop_threshold = 0.5 * float(admitted.min()) if admitted.size else 0.0
+        return lengths, solver_us
+
+    def _verify_table(self, extra_tokens: int) -> np.ndarray:
+        """Verify cost by verified-token count, shifted by tokens other requests verify anyway."""
+        if self.cost is None:
+            n = self.max_tokens_per_step + 1
+            return np.arange(n, dtype=np.float64) + 1.0  # no profile: cost proportional to tokens
+        table = np.asarray(self.cost.verify_table(), dtype=np.float64)
+        return table[extra_tokens:] if extra_tokens < len(table) - 1 else table[-2:]
+
+    # ------------------------------------------------------------------ committing
+    def _commit(self, r: Request, new: list[int], now: float) -> None:
+        if r.finished:
+            return
+        new = new[:max(0, r.remaining())]
+        reason = None
+        if r.config.stop_at_eos and self.eos_id is not None and self.eos_id in new:
+            new = new[:new.index(self.eos_id) + 1]
+            reason = "stop"
+        if not r.stats.generated and new:
+            r.stats.t_first = now
+        r.tokens.extend(new)
+        r.stats.generated += len(new)
+        self.metrics.output_tokens += len(new)
+        if r.pieces is not None and new:
+            r.pieces.put(new)
+        if r.config.stop and self._hit_stop_string(r):
+            reason = "stop"
+        if reason is None and r.remaining() <= 0:
+            reason = "length"
+        if reason is None and len(r.tokens) >= self.max_context:
+            reason = "length"
+        if reason:
+            r.finish(reason)
+
+    def _hit_stop_string(self, r: Request) -> bool:
+        text = self.tokenizer.decode(r.generated_ids)
+        return any(s and s in text for s in r.config.stop)
+
+    def _release_finished(self) -> None:
+        with self._lock:
+            for i, r in enumerate(self.slots):
+                if r is not None and r.finished:
+                    self.slots[i] = None
+                    self.metrics.requests_finished += 1
+
+
+class _StepCost:
+    """This step's costs in the shape the controller reads (a verify table and the draft time)."""
+
+    def __init__(self, table: np.ndarray, draft_ms: float):
+        self._table, self._draft_ms = table, draft_ms
+
+    def verify_table(self) -> np.ndarray:
+        return self._table
+
+    def draft_ms(self, batch: int) -> float:
+        return self._draft_ms
+
+
+class QueueFullError(DsparkError):
+    """The runtime's wait queue is full; the caller should retry later (HTTP 429)."""

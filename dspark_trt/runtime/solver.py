@@ -1,0 +1,249 @@
+"""Budget solver for adaptive verification: how many draft tokens to verify, and which.
+
+Pure and stateless (numpy only). The stateful parts — stale survivals, the cost table, metrics — live
+in :mod:`dspark_trt.runtime.controller` and :mod:`dspark_trt.runtime.cost_model`.
+
+The problem
+-----------
+R running requests each drafted up to K tokens. ``survival[r, k-1] = S_{r,k} = prod_{i<=k} c_{r,i}`` is
+the head's probability that draft token k of request r is accepted (the whole prefix 1..k survives),
+so verifying slot (r, k) adds S_{r,k} expected tokens. Every request verifies one token anyway (its
+next/bonus token), so a step with budget B verifies ``R + B`` tokens and costs
+``draft_cost_ms + verify_cost_ms[R + B]``. The solver maximises expected output tokens per ms::
+
+    B* = argmax_{B in 0..R*K}  (N + sum_{j<B} S_sorted[j]) / (draft_cost_ms + verify_cost_ms[R + B])
+
+For a fixed B the numerator is maximised by the B largest survivals, whatever the cost curve, so
+scanning every B with one sort and one cumsum is exact. Ties are broken by earlier draft position
+(then lower request index); since S is non-increasing along a row, the admitted slots form a prefix of
+every request, which gives its verify length L_r. B = 0 (plain decoding) is always a candidate, and
+among equal objectives the smallest B wins.
+
+Why the allocation is lossless under sampling only if B does not depend on the current drafts
+--------------------------------------------------------------------------------------------
+Speculative sampling stays exactly target-distributed when the decision "verify draft token x_k"
+is made without looking at x_k (a stopping rule): it may depend on x_1..x_{k-1} and on independent
+randomness, but not on x_k. S_{r,k} depends on x_1..x_{k-1} (the head scores x_k's position from the
+hidden state that predicts it) but not on x_k. With B fixed, slot (r, k) is admitted iff fewer than B
+slots outrank it; later slots of the same request (r, j > k), which are functions of x_k, never
+outrank it (they are no larger, and ties go to the earlier position), so admission of x_k depends
+only on slots that never depend on x_k. Choosing B from the *live* survivals breaks this: B* is a
+function of S_{r,k+1} = S_{r,k} * c_{r,k+1}, a function of x_k, so whether x_k is verified at all
+would depend on x_k. :func:`solve_budget` on live survivals is therefore only for greedy decoding
+(lossless under any policy); for sampling, size B with :func:`best_budget` from information that does
+not depend on the current drafts (the previous step's survivals) and allocate with
+:func:`solve_budget_for_b` on the live ones. The controller does exactly that.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "MONOTONE_ATOL",
+    "best_budget",
+    "extend_linear",
+    "solve_budget",
+    "solve_budget_for_b",
+]
+
+#: How much a survival row may increase (or leave [0, 1]) before it is rejected as malformed. Rows
+#: within this tolerance are repaired with a running minimum (which keeps S_{r,k} a function of
+#: positions <= k only, so the lossless argument above still holds).
+MONOTONE_ATOL = 1e-5
+
+
+def _survival(survival) -> np.ndarray:
+    """Validate a (R, K) survival matrix; return float64, exactly non-increasing along rows, in [0, 1].
+
+    Written for speed (this runs every step): NaN/inf are caught by the comparisons, which are all
+    False for NaN, and only then diagnosed.
+    """
+    S = np.asarray(survival, dtype=np.float64)
+    if S.ndim != 2:
+        raise ValueError(f"survival must be a 2-D array (R requests, K draft positions); got shape {S.shape}")
+    if S.size == 0:
+        return S
+    hi, lo = S[:, 0].max(), S[:, -1].min()
+    worst = 0.0
+    if S.shape[1] > 1:
+        rise = S[:, 1:] - S[:, :-1]
+        worst = rise.max()
+        if not worst <= MONOTONE_ATOL:
+            if not np.isfinite(S).all():
+                raise ValueError("survival contains NaN or infinite values")
+            r, k = np.unravel_index(int(np.argmax(rise)), rise.shape)
+            raise ValueError(
+                f"survival rows must be non-increasing (S_k = prod_(i<=k) c_i); row {r} rises by {worst:.6g} "
+                f"from position {k + 1} to {k + 2}")
+    if not (lo >= -MONOTONE_ATOL and hi <= 1.0 + MONOTONE_ATOL):
+        if not np.isfinite(S).all():
+            raise ValueError("survival contains NaN or infinite values")
+        raise ValueError(f"survival values must be probabilities in [0, 1]; got range [{S.min():.6g}, {S.max():.6g}]")
+    if worst > 0.0:  # rises within tolerance: repair with a running minimum (still causal along the row)
+        S = np.minimum.accumulate(S, axis=1)
+        hi, lo = S[:, 0].max(), S[:, -1].min()
+    if lo < 0.0 or hi > 1.0:
+        S = np.clip(S, 0.0, 1.0)
+    return S
+
+
+def _caps(caps, R: int, K: int) -> np.ndarray | None:
+    if caps is None:
+        return None
+    c = np.asarray(caps)
+    if c.shape != (R,):
+        raise ValueError(f"caps must have shape ({R},), one per request; got {c.shape}")
+    if c.size and (not np.issubdtype(c.dtype, np.integer)):
+        if not np.isfinite(c).all() or (c != np.round(c)).any():
+            raise ValueError("caps must be whole numbers of draft tokens")
+    c = c.astype(np.int64)
+    if c.size and c.min() < 0:
+        raise ValueError("caps must be >= 0")
+    return np.minimum(c, K)
+
+
+def _rank(S: np.ndarray, caps: np.ndarray | None):
+    """Admission order of all slots (flat k-major indices, so r = idx % R) and the allowed capacity.
+
+    k-major flattening + a stable ascending sort of -S breaks ties by earlier position, then lower
+    request index. For non-negative float64 (no -0.0) the IEEE bit pattern read as int64 orders like
+    the value, and numpy's stable int64 sort is about twice as fast as its float sort. Slots beyond a
+    request's cap sort last and are never admitted (capacity excludes them).
+    """
+    R, K = S.shape
+    flat = S.T.ravel()  # a copy, index k*R + r
+    flat += 0.0  # -0.0 -> +0.0, so the bit patterns are ordered
+    key = -flat.view(np.int64)
+    if caps is None:
+        capacity = R * K
+    else:
+        allowed = (np.arange(K)[:, None] < caps[None, :]).ravel()
+        key[~allowed] = np.iinfo(np.int64).max
+        capacity = int(caps.sum())
+    order = np.argsort(key, kind="stable")
+    return order, flat, capacity
+
+
+def extend_linear(table, indices) -> np.ndarray:
+    """``table[indices]``, extrapolating linearly from the last two entries beyond the table's end."""
+    v = np.asarray(table, dtype=np.float64)
+    if v.ndim != 1:
+        raise ValueError(f"cost table must be 1-D (indexed by count); got shape {v.shape}")
+    idx = np.asarray(indices, dtype=np.int64)
+    if idx.size and idx.min() < 0:
+        raise ValueError("cost table indices must be >= 0")
+    n = v.size
+    if idx.size == 0 or idx.max() < n:
+        return v[idx]
+    if n < 2:
+        raise ValueError(f"cost table needs at least 2 entries to extrapolate to index {int(idx.max())}; it has {n}")
+    beyond = v[-1] + (idx - (n - 1)) * (v[-1] - v[-2])
+    return np.where(idx < n, v[np.minimum(idx, n - 1)], beyond)
+
+
+def _verify_costs(verify_cost_ms, start: int, count: int) -> np.ndarray:
+    """verify_cost_ms[start : start + count] with linear extrapolation (fast path for the solver)."""
+    v = np.asarray(verify_cost_ms, dtype=np.float64)
+    if v.ndim != 1:
+        raise ValueError(f"verify_cost_ms must be 1-D (indexed by verified-token count); got shape {v.shape}")
+    n = v.size
+    end = start + count
+    if end <= n:
+        return v[start:end]
+    if n < 2:
+        raise ValueError(f"verify_cost_ms needs at least 2 entries to extrapolate to {end - 1} tokens; it has {n}")
+    out = np.empty(count)
+    inside = max(0, n - start)
+    out[:inside] = v[start:n]
+    out[inside:] = v[-1] + np.arange(max(start, n) - (n - 1), end - (n - 1)) * (v[-1] - v[-2])
+    return out
+
+
+def _objective_curve(R, flat, order, capacity, verify_cost_ms, draft_cost_ms, n_emitting):
+    """Objective for every B in 0..capacity: (N + top-B survival sum) / (draft + verify[R + B])."""
+    d = float(draft_cost_ms)
+    if not 0.0 <= d < np.inf:
+        raise ValueError(f"draft_cost_ms must be finite and >= 0; got {draft_cost_ms}")
+    N = R if n_emitting is None else float(n_emitting)
+    if not 0.0 <= N < np.inf:
+        raise ValueError(f"n_emitting must be finite and >= 0; got {n_emitting}")
+    gains = np.empty(capacity + 1)
+    gains[0] = N
+    gains[1:] = flat[order[:capacity]]
+    np.cumsum(gains, out=gains)
+    denom = _verify_costs(verify_cost_ms, R, capacity + 1) + d
+    if not denom.min() > 0.0:  # also catches NaN
+        if np.isnan(denom).any():
+            raise ValueError("verify_cost_ms contains NaN")
+        raise ValueError("step cost (draft_cost_ms + verify_cost_ms[R + B]) must be > 0 for every candidate B")
+    gains /= denom
+    return gains
+
+
+def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting):
+    order, flat, capacity = _rank(S, caps)
+    obj = _objective_curve(S.shape[0], flat, order, capacity, verify_cost_ms, draft_cost_ms, n_emitting)
+    B = int(np.argmax(obj))  # first maximum: the smallest B among ties
+    return B, float(obj[B]), order
+
+
+def _lengths(order, B: int, R: int) -> np.ndarray:
+    return np.bincount(order[:B] % R, minlength=R).astype(np.int64) if R else np.zeros(0, np.int64)
+
+
+def best_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
+                ) -> tuple[int, float]:
+    """The exact optimal budget B* and its objective (expected output tokens per ms).
+
+    Arguments as in :func:`solve_budget`. Use it to size B from one survival matrix (e.g. stale rows)
+    and allocate with :func:`solve_budget_for_b` from another (the live rows). With R = 0 there is
+    nothing to run: returns (0, 0.0).
+    """
+    S = _survival(survival)
+    R, K = S.shape
+    if R == 0:
+        return 0, 0.0
+    B, obj, _ = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+    return B, obj
+
+
+def solve_budget_for_b(survival, budget: int, *, caps=None) -> np.ndarray:
+    """Verify lengths (R,) of the top-``budget`` slots of ``survival`` (no cost model involved).
+
+    Slots are admitted in descending survival, ties to the earlier position, so each request's admitted
+    slots form a prefix. ``budget`` is clipped to [0, number of slots allowed by ``caps``]; slots with
+    zero survival are admitted if the budget reaches them (the budget was fixed in advance).
+    """
+    S = _survival(survival)
+    R, K = S.shape
+    if not float(budget) == int(budget):
+        raise ValueError(f"budget must be a whole number of tokens; got {budget}")
+    if R == 0:
+        return np.zeros(0, np.int64)
+    order, _, capacity = _rank(S, _caps(caps, R, K))
+    return _lengths(order, min(max(int(budget), 0), capacity), R)
+
+
+def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
+                 ) -> np.ndarray:
+    """Per-request verify lengths L (R,) that maximise expected output tokens per ms of step time.
+
+    survival: (R, K) floats in [0, 1], non-increasing along each row (S_{r,k} = prod_{i<=k} c_{r,i}).
+    verify_cost_ms: 1-D, ``verify_cost_ms[t]`` = ms of a verify step over t tokens in total; the step
+        verifies R + B tokens (one next/bonus token per request plus the budget). Beyond the table's end
+        it is extrapolated linearly from the last two entries.
+    draft_cost_ms: the step's drafting cost, added to every candidate's denominator.
+    n_emitting: N, requests that emit a token this step (default R).
+    caps: optional (R,) ints, the most drafts request r may verify (near max_new_tokens or the context
+        end); slots beyond a cap are never admitted.
+
+    Uses the live survivals to choose B, so it is lossless for greedy decoding only; see the module
+    docstring for sampling. Exact over B in 0..R*K; ties resolve to the smallest B.
+    """
+    S = _survival(survival)
+    R, K = S.shape
+    if R == 0:
+        return np.zeros(0, np.int64)
+    B, _, order = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+    return _lengths(order, B, R)

@@ -1,0 +1,53 @@
+"""Tokenizer loading (HF `tokenizers`, no transformers) and incremental decoding for streaming."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark_trt.errors import DsparkError
+
+
+class Tokenizer:
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as HfTokenizer
+
+        if not Path(path).is_file():
+            raise DsparkError(f"tokenizer file {path} is missing: re-export the artifact")
+        self._tok = HfTokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_to_id(self, token: str):
+        return self._tok.token_to_id(token)
+
+
+def load_tokenizer(path) -> Tokenizer:
+    return Tokenizer(Path(path))
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text pieces, holding back incomplete UTF-8 sequences."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already yielded
+
+    def push(self, ids: list[int]) -> str:
+        self.ids.extend(ids)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""
+        piece = text[self.emitted:]
+        self.emitted = len(text)
+        return piece
+
+    def flush(self) -> str:
+        text = self.tok.decode(self.ids)
+        piece = text[self.emitted:]
+        self.emitted = len(text)
+        return piece

@@ -1,0 +1,68 @@
+"""Shared fixtures: a random tiny draft/target pair in HF layout and its exported artifact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_VOCAB = 300
+
+
+def make_tokenizer(path: Path, vocab: int = TINY_VOCAB) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    text = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+            "import os\nimport sys\n\nclass Foo:\n    def __init__(self):\n        self.x = 1\n"] * 20
+    tok.train_from_iterator(text, trainer=trainer)
+    tok.save(str(path))
+
+
+def make_pair(root: Path, seed: int = 0, noise: float = 0.02, arch: str = "llama") -> tuple[Path, Path]:
+    """A random target and a draft that is a noisy copy of it (so drafts are often accepted)."""
+    import torch
+
+    from dspark_trt.models.checkpoint import save_decoder
+    from dspark_trt.models.config import ModelConfig
+    from dspark_trt.models.decoder import Decoder
+
+    make_tokenizer(root / "tokenizer.json")
+    vocab = json.loads((root / "tokenizer.json").read_text())["model"]["vocab"]
+    v = max(vocab.values()) + 1
+    cfg = ModelConfig(arch, v, 64, 128, 2, 4, 2, 16, tie_word_embeddings=True, max_position_embeddings=512,
+                      qk_norm=arch == "qwen3")
+    target = Decoder(cfg).init_weights(std=0.08, seed=seed).eval()
+    draft = Decoder(cfg).eval()
+    draft.load_state_dict(target.state_dict())
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * noise)
+    out = []
+    for name, model in (("target", target), ("draft", draft)):
+        d = root / name
+        save_decoder(model, d, dtype="fp32")
+        (d / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
+        out.append(d)
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tiny_pair, tmp_path_factory):
+    from dspark_trt.exporter.export import export_artifacts
+
+    out = tmp_path_factory.mktemp("artifact") / "tiny"
+    return export_artifacts(tiny_pair[0], tiny_pair[1], out, max_draft=4, max_batch=8, max_context=256,
+                            progress=False)

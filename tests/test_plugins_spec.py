@@ -1,0 +1,208 @@
+"""The dspark op spec, launch geometry, import hygiene and the TensorRT registration (against a stub)."""
+
+import importlib
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.plugins import launch, spec
+
+
+# ------------------------------------------------------------------------------------------------ spec
+def test_ops_are_the_three_with_exact_signatures():
+    assert list(spec.OPS) == ["Survival", "GreedyAccept", "SampleAccept"]
+    s, g, a = spec.OPS["Survival"], spec.OPS["GreedyAccept"], spec.OPS["SampleAccept"]
+    assert s.input_names == ["logits", "prev", "start"] and s.output_names == ["survival"]
+    assert [x.name for x in s.attributes] == ["temperatures"] and s.attr("temperatures").type == "FLOATS"
+    assert g.input_names == ["logits", "draft_tokens", "verify_lens"]
+    assert g.output_names == ["accepted", "next_token"]
+    assert a.input_names == ["logits", "draft_probs", "draft_tokens", "verify_lens", "temperature",
+                             "accept_uniforms", "sample_uniforms"]
+    assert a.output_names == ["accepted", "next_token"]
+    for op in spec.OPS.values():
+        assert (op.domain, op.version, op.plugin_id) == ("dspark", 1, f"dspark::{op.name}")
+        assert all(t.dtypes == ("int64",) for t in op.outputs if t.name != "survival")
+    assert s.outputs[0].dtypes == ("float32",) and s.outputs[0].shape == ("R", "J")
+
+
+def test_sample_accept_reserves_top_k_top_p_for_version_2():
+    reserved = spec.OPS["SampleAccept"].reserved_inputs
+    assert [(t.name, t.dtypes, t.shape, t.optional) for t in reserved] == [
+        ("top_k", ("int64",), ("R",), True), ("top_p", ("float32",), ("R",), True)]
+    assert "top_k" in spec.__doc__ and "top_p" in spec.__doc__ and "Version 2" in spec.__doc__
+
+
+def test_op_names_are_not_standard_onnx_ops():
+    onnx = pytest.importorskip("onnx")
+    standard = {s.name for s in onnx.defs.get_all_schemas_with_history()}
+    for name in spec.OPS:
+        assert name not in standard, f"{name} collides with a standard ONNX op (TensorRT matches op_type only)"
+
+
+def test_make_node_sets_domain_namespace_and_checks_attributes():
+    pytest.importorskip("onnx")
+    node = spec.make_node("Survival", ["l", "p", "s"], ["out"], temperatures=[1, 0.5])
+    attrs = {a.name: a for a in node.attribute}
+    assert node.domain == "dspark" and node.op_type == "Survival"
+    assert attrs["plugin_namespace"].s == b"dspark"
+    assert list(attrs["temperatures"].floats) == [1.0, 0.5]
+    node = spec.make_node("GreedyAccept", ["a", "b", "c"], ["x", "y"], aot=1, name="g")
+    assert {a.name: a for a in node.attribute}["aot"].i == 1 and node.name == "g"
+    with pytest.raises(ValueError, match="needs attribute 'temperatures'"):
+        spec.make_node("Survival", ["l", "p", "s"], ["out"])
+    with pytest.raises(ValueError, match="> 0"):
+        spec.make_node("Survival", ["l", "p", "s"], ["out"], temperatures=[1.0, 0.0])
+    with pytest.raises(ValueError, match="must not be empty"):
+        spec.make_node("Survival", ["l", "p", "s"], ["out"], temperatures=[])
+    with pytest.raises(ValueError, match="takes 3 inputs"):
+        spec.make_node("GreedyAccept", ["a", "b"], ["x", "y"])
+    with pytest.raises(ValueError, match="no attribute"):
+        spec.make_node("GreedyAccept", ["a", "b", "c"], ["x", "y"], top_k=3)
+    with pytest.raises(KeyError, match="unknown dspark op"):
+        spec.make_node("ArgMax", ["a"], ["b"])
+
+
+def test_output_dims_shape_rule():
+    assert spec.output_dims("Survival", [(5, 3), (5,), (5,)]) == [(5, 3)]
+    assert spec.output_dims("GreedyAccept", [(12, 100), (12,), (4,)]) == [(4,), (4,)]
+    assert spec.output_dims("SampleAccept", [(12, 100), (12, 100), (12,), (4,), (4,), (12,), (4,)]) == [(4,), (4,)]
+    symbolic = spec.output_dims("GreedyAccept", [("M", "V"), ("M",), ("R",)])
+    assert symbolic == [("R",), ("R",)]
+    with pytest.raises(ValueError, match="rank"):
+        spec.output_dims("GreedyAccept", [(12,), (12,), (4,)])
+    assert spec.check_concrete_shapes("GreedyAccept", {"logits": (9, 7), "draft_tokens": (9,),
+                                                       "verify_lens": (2,)}) == {"M": 9, "V": 7, "R": 2}
+    with pytest.raises(ValueError, match="dim M"):
+        spec.check_concrete_shapes("GreedyAccept", {"logits": (9, 7), "draft_tokens": (8,), "verify_lens": (2,)})
+
+
+def test_plugin_type_combinations():
+    for name, op in spec.OPS.items():
+        combos = spec.plugin_type_combinations(name)
+        n_float = sum(t.dtypes == spec.FLOAT_TYPES for t in op.inputs)
+        assert len(combos) == 3 ** n_float and len(set(combos)) == len(combos)
+        for c in combos:
+            types = [x.strip() for x in c.split(",")]
+            assert len(types) == len(op.inputs) + len(op.outputs)
+            assert set(types) <= {"FP32", "FP16", "BF16", "INT64"}
+    assert spec.plugin_type_combinations("GreedyAccept")[0] == "FP32, INT64, INT64, INT64, INT64"
+
+
+# ---------------------------------------------------------------------------------------------- launch
+def test_next_power_of_2_and_clamp():
+    assert [launch.next_power_of_2(n) for n in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    assert launch.clamp_block(3, 16, 64) == 16 and launch.clamp_block(1000, 16, 64) == 64
+
+
+@pytest.mark.parametrize("vocab", [6, 50, 1000, 32000, 32771, 152064])
+def test_accept_launch(vocab):
+    cfg = launch.accept_launch(7, vocab)
+    bv = cfg.constexprs["BLOCK_V"]
+    assert cfg.grid == (7, 1, 1)
+    assert bv & (bv - 1) == 0 and launch.MIN_BLOCK <= bv <= launch.MAX_BLOCK_V
+    assert bv >= min(vocab, launch.MAX_BLOCK_V)  # one block when it fits, else the largest block
+    assert cfg.constexprs["BLOCK_R"] == launch.BLOCK_R and cfg.num_warps in (1, 2, 4, 8)
+    assert cfg.threads == 32 * cfg.num_warps
+    assert launch.aot_accept_launch(vocab).constexprs == cfg.constexprs
+    assert launch.aot_accept_launch(None).constexprs["BLOCK_V"] == launch.MAX_BLOCK_V
+
+
+def test_survival_launch():
+    assert launch.survival_launch(5, 1).grid == (5, 1, 1)
+    assert launch.survival_launch(5, 1).constexprs == {"BLOCK_J": launch.MIN_BLOCK}
+    assert launch.survival_launch(5, 40).constexprs == {"BLOCK_J": 64}
+    assert launch.survival_launch(5, 1000).constexprs == {"BLOCK_J": launch.MAX_BLOCK_J}
+    assert launch.survival_launch(0, 3).grid == (0, 1, 1)
+    assert launch.aot_survival_launch().constexprs["BLOCK_J"] == launch.MIN_BLOCK
+
+
+# ------------------------------------------------------------------------------------- import hygiene
+def test_plugins_package_is_import_light():
+    code = ("import sys, dspark_trt.plugins, dspark_trt.plugins.spec, dspark_trt.plugins.launch\n"
+            "heavy = [m for m in ('torch', 'triton', 'tensorrt', 'onnx') if m in sys.modules]\n"
+            "assert not heavy, heavy\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tensorrt_plugins_without_tensorrt_raises_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # makes `import tensorrt` fail like a missing package
+    monkeypatch.delitem(sys.modules, "dspark_trt.plugins.tensorrt_plugins", raising=False)
+    with pytest.raises(DsparkError) as err:
+        importlib.import_module("dspark_trt.plugins.tensorrt_plugins")
+    msg = str(err.value)
+    assert "dspark-trt[trt]" in msg and "NVIDIA GPU" in msg and "\n" not in msg
+    assert "dspark_trt.plugins.tensorrt_plugins" not in sys.modules
+
+
+# ----------------------------------------------------------------- TensorRT registration vs. a stub
+class _Expr:
+    """Stands in for trtp.ShapeExpr: here just an int."""
+
+    def __init__(self, v):
+        self.constant_value, self.is_constant = v, True
+
+
+class _Desc:
+    def __init__(self, shape, dtype):
+        self.shape_expr, self.ndim, self.dtype = list(shape), len(shape), dtype
+
+
+def _stub_tensorrt():
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = "10.99-stub"
+    for name in ("float32", "float16", "bfloat16", "int64", "int32"):
+        setattr(trt, name, f"DataType.{name}")
+    trtp = types.ModuleType("tensorrt.plugin")
+    trtp.registry = {}
+
+    def deco(kind):
+        def outer(plugin_id):
+            def inner(fn):
+                trtp.registry[(kind, plugin_id)] = fn
+                return fn
+            return inner
+        return outer
+
+    for kind in ("register", "impl", "autotune", "aot_impl"):
+        setattr(trtp, kind, deco(kind))
+    trtp.TensorDesc, trtp.Tensor = _Desc, object
+    trtp.SymExprs = trtp.KernelLaunchParams = object
+    trtp.AutoTuneCombination = lambda io_types: ("combo", io_types)
+    trtp.from_shape_expr = lambda shape, dtype: _Desc(shape, dtype)
+    trt.plugin = trtp
+    return trt, trtp
+
+
+def test_tensorrt_registration_against_stub(monkeypatch):
+    trt, trtp = _stub_tensorrt()
+    monkeypatch.setitem(sys.modules, "tensorrt", trt)
+    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
+    monkeypatch.delitem(sys.modules, "dspark_trt.plugins.tensorrt_plugins", raising=False)
+    try:
+        mod = importlib.import_module("dspark_trt.plugins.tensorrt_plugins")
+        assert mod.HAS_AOT and mod.REGISTERED == ("dspark::Survival", "dspark::GreedyAccept", "dspark::SampleAccept")
+        for op in spec.OPS.values():
+            for kind in ("register", "impl", "autotune", "aot_impl"):
+                assert (kind, op.plugin_id) in trtp.registry, (kind, op.plugin_id)
+        reg = {pid: fn for (kind, pid), fn in trtp.registry.items() if kind == "register"}
+        out = reg["dspark::Survival"](_Desc((5, 3), trt.float16), _Desc((5,), trt.float32),
+                                      _Desc((5,), trt.int64), np.ones(2, np.float32))
+        assert out.shape_expr == [5, 3] and out.dtype == trt.float32
+        acc, nxt = reg["dspark::SampleAccept"](*[_Desc(s, trt.float32) for s in
+                                                 [(12, 100), (12, 100), (12,), (4,), (4,), (12,), (4,)]])
+        assert acc.shape_expr == [4] and nxt.shape_expr == [4] and acc.dtype == nxt.dtype == trt.int64
+        acc, nxt = reg["dspark::GreedyAccept"](_Desc((12, 100), trt.float32), _Desc((12,), trt.int64),
+                                               _Desc((3,), trt.int64))
+        assert acc.shape_expr == [3] and nxt.dtype == trt.int64
+        tune = trtp.registry[("autotune", "dspark::GreedyAccept")](None, None, None, None)
+        assert [c[1] for c in tune] == spec.plugin_type_combinations("GreedyAccept")
+        assert mod._input_dtypes("Survival", _Desc((1, 1), trt.bfloat16), _Desc((1,), trt.float32),
+                                 _Desc((1,), trt.int64)) == {"logits": "bfloat16", "prev": "float32",
+                                                             "start": "int64"}
+        assert mod._static(_Expr(32000)) == 32000 and mod._static(object()) is None
+    finally:
+        sys.modules.pop("dspark_trt.plugins.tensorrt_plugins", None)
