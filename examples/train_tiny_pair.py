@@ -150,11 +150,14 @@ def greedy_acceptance(target: Decoder, draft: Decoder, data: np.ndarray, k: int 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(Path(__file__).parent / "models"))
-    ap.add_argument("--target-steps", type=int, default=600)
-    ap.add_argument("--draft-steps", type=int, default=700)
+    ap.add_argument("--target-steps", type=int, default=450)
+    ap.add_argument("--draft-steps", type=int, default=500)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     out = Path(args.out)
     ckpt = out / "_checkpoints"

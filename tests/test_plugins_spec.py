@@ -136,6 +136,9 @@ def test_tensorrt_plugins_without_tensorrt_raises_clear_error(monkeypatch):
     msg = str(err.value)
     assert "dspark-trt[trt]" in msg and "NVIDIA GPU" in msg and "\n" not in msg
     assert "dspark_trt.plugins.tensorrt_plugins" not in sys.modules
+    assert isinstance(err.value, ImportError)  # so pytest.importorskip(...) skips instead of erroring
+    with pytest.raises(pytest.skip.Exception):
+        pytest.importorskip("dspark_trt.plugins.tensorrt_plugins")
 
 
 # ----------------------------------------------------------------- TensorRT registration vs. a stub

@@ -257,6 +257,10 @@ def test_is_pure():
     first = solve_budget(S, table, 0.5)
     assert (solve_budget(S, table, 0.5) == first).all()
     assert (S == S0).all() and (table == t0).all()
+    column = np.array([[-0.0], [0.5], [0.0]])  # one draft position: a transposed view is contiguous
+    column.setflags(write=False)
+    assert solve_budget_for_b(column, 1).tolist() == [0, 1, 0]
+    assert np.signbit(column[0, 0])  # untouched
 
 
 # -------------------------------------------------------------------------------------------- speed

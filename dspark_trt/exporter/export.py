@@ -64,6 +64,33 @@ def _eos_id(tokenizer_path: Path):
     return None
 
 
+def manifest_facts(target_dir, draft_dir, head_dir, temperatures, max_draft: int, max_batch: int,
+                   max_context: int, dtype: str) -> dict:
+    """Everything the manifest says about the models and limits (not about files)."""
+    from dspark_trt.models.config import load_config
+
+    tcfg, dcfg = load_config(target_dir), load_config(draft_dir)
+    dims, limits = plan_dims(max_batch, max_draft, max_context)
+    tok = Path(target_dir) / "tokenizer.json"
+    return {
+        "format": "dspark-trt-artifact", "format_version": 1,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tools": _versions(),
+        "model": {"arch": tcfg.model_type, "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,
+                  "num_layers": tcfg.num_hidden_layers, "num_kv_heads": tcfg.num_key_value_heads,
+                  "head_dim": tcfg.head_dim, "dtype": dtype, "max_context": max_context},
+        "draft": {"arch": dcfg.model_type, "hidden_size": dcfg.hidden_size, "num_layers": dcfg.num_hidden_layers,
+                  "num_kv_heads": dcfg.num_key_value_heads, "head_dim": dcfg.head_dim, "max_draft": max_draft,
+                  "confidence": "head" if head_dir is not None else "fallback",
+                  "temperatures": [float(t) for t in temperatures]},
+        "limits": limits,
+        "dims": dims,
+        "tokenizer": {"file": "tokenizer.json", "eos_token_id": _eos_id(tok) if tok.is_file() else None},
+        "sources": {"target": str(Path(target_dir).resolve()), "draft": str(Path(draft_dir).resolve()),
+                    "head": str(Path(head_dir).resolve()) if head_dir is not None else None},
+    }
+
+
 def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: int = 7, max_batch: int = 64,
                      max_context: int = 1024, dtype: str = "fp32", overwrite: bool = False,
                      debug_logits: bool = False, progress: bool = True) -> Path:
@@ -112,27 +139,11 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         bar.update()
         shutil.copyfile(tok_src, tmp / "tokenizer.json")
         bar.set_postfix_str("manifest")
-        dims, limits = plan_dims(max_batch, max_draft, max_context)
-        manifest = {
-            "format": "dspark-trt-artifact", "format_version": 1,
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "tools": _versions(),
-            "model": {"arch": tcfg.model_type, "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,
-                      "num_layers": tcfg.num_hidden_layers, "num_kv_heads": tcfg.num_key_value_heads,
-                      "head_dim": tcfg.head_dim, "dtype": dtype, "max_context": max_context},
-            "draft": {"arch": dcfg.model_type, "hidden_size": dcfg.hidden_size, "num_layers": dcfg.num_hidden_layers,
-                      "num_kv_heads": dcfg.num_key_value_heads, "head_dim": dcfg.head_dim, "max_draft": max_draft,
-                      "confidence": "head" if head is not None else "fallback",
-                      "temperatures": list(draft_step.temperatures)},
-            "limits": limits,
-            "dims": dims,
-            "graphs": {"draft": {"file": "draft.onnx", **_io(tmp / "draft.onnx")},
-                       "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}},
-            "tokenizer": {"file": "tokenizer.json", "eos_token_id": _eos_id(tok_src)},
-            "sources": {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()),
-                        "head": str(Path(head_dir).resolve()) if head is not None else None},
-            "files": {},
-        }
+        manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, draft_step.temperatures,
+                                  max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype)
+        manifest["graphs"] = {"draft": {"file": "draft.onnx", **_io(tmp / "draft.onnx")},
+                              "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
+        manifest["files"] = {}
         from dspark_trt.manifest import sha256_file
 
         for name in ("draft.onnx", "target.onnx", "tokenizer.json"):

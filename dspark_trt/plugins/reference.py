@@ -61,15 +61,17 @@ def target_probs(logits, temperature) -> tuple[np.ndarray, np.ndarray]:
     return np.where(greedy, onehot, p).astype(F32), am
 
 
-def inverse_cdf(weights, u) -> int:
-    """Smallest i with cumsum(w)[i] > u * sum(w), clamped to the last index with w > 0 (w >= 0)."""
+def inverse_cdf(weights, u) -> np.ndarray:
+    """Per row of w >= 0 ([..., V]): the smallest i with cumsum(w)[i] > u * sum(w), clamped to the last
+    index with w > 0 (0 if there is none). u has the leading shape of w."""
     w = np.asarray(weights, dtype=F32)
-    c = np.cumsum(w, dtype=F32)
-    thr = F32(u) * w.sum(dtype=F32)
-    count = int((c <= thr).sum())
-    nz = np.flatnonzero(w > 0)
-    last = int(nz[-1]) if len(nz) else 0
-    return min(count, last)
+    u = np.asarray(u, dtype=F32)
+    c = np.cumsum(w, axis=-1, dtype=F32)
+    thr = u * w.sum(axis=-1, dtype=F32)
+    count = (c <= thr[..., None]).sum(axis=-1)
+    positive = w > 0
+    last = np.where(positive.any(axis=-1), w.shape[-1] - 1 - positive[..., ::-1].argmax(axis=-1), 0)
+    return np.minimum(count, last).astype(np.int64)
 
 
 # ----------------------------------------------------------------------------------------------- ops
@@ -117,10 +119,11 @@ def sample_accept_with_margin(logits, draft_probs, draft_tokens, verify_lens, te
                               sample_uniforms) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`sample_accept` plus, per request, how far its random draws were from a decision boundary.
 
-    margin[r] is the smallest of |u - min(1, p(x)/q(x))| over the accept tests made (p(x) for q(x) = 0)
-    and, for the final draw, the distance of u * total to the neighbouring CDF values divided by total.
-    Another float32 implementation (different summation order, exp, division) can legitimately pick a
-    different outcome only when this is within a few float32 rounding errors of 0.
+    margin[r] is the smallest of |u - min(1, p(x)/q(x))| over the accept tests made (p(x) for q(x) = 0,
+    unless p(x) = 0 is exact) and, for the final draw, the distance of u * total to the neighbouring
+    CDF values divided by total. Another float32 implementation (different summation order, exp,
+    division) can legitimately pick a different outcome only when this is within a few float32
+    rounding errors of 0.
     """
     lf = np.asarray(logits, dtype=F32)
     q = np.asarray(draft_probs, dtype=F32)
@@ -136,57 +139,55 @@ def sample_accept_with_margin(logits, draft_probs, draft_tokens, verify_lens, te
     if not (len(tokens) == len(ua) == m and len(temp) == len(us) == len(lens)):
         raise ValueError("SampleAccept: draft_tokens/accept_uniforms need M entries, "
                          "temperature/sample_uniforms R entries")
-    row_req = np.repeat(np.arange(len(lens)), lens + 1)
+    if len(lens) == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0)
+    row_req = np.repeat(np.arange(len(lens)), lens + 1)  # request of each row
+    j_row = np.arange(m) - offs[row_req]  # position of each row inside its request
+    draft_row = j_row < lens[row_req]  # the row verifies a draft token
     p, _ = target_probs(lf, temp[row_req])
 
-    accepted = np.zeros(len(lens), np.int64)
-    next_token = np.zeros(len(lens), np.int64)
-    margin = np.full(len(lens), np.inf)
-    for r, (o, n) in enumerate(zip(offs, lens)):
-        a = 0
-        while a < n:
-            row, x = o + a, tokens[o + a]
-            valid = 0 <= x < v
-            px = p[row, x] if valid else F32(0)
-            qx = q[row, x] if valid else F32(0)
-            if qx > 0:
-                with np.errstate(over="ignore"):
-                    ratio = min(F32(1), F32(px / qx))
-                ok = ua[row] < ratio
-                margin[r] = min(margin[r], abs(float(ua[row]) - float(ratio)))
-            else:
-                ok = px > 0
-                # p(x) = 0 exactly is certain for an invalid token, a -inf logit or a one-hot p;
-                # otherwise a tiny p(x) could underflow to 0 elsewhere
-                exact = not valid or lf[row, x] == -np.inf or not (temp[row_req[row]] > 0)
-                margin[r] = min(margin[r], np.inf if exact and px == 0 else float(px))
-            if not ok:
-                break
-            a += 1
-        row = o + a
-        w = p[row]
-        if a < n:
-            resid = np.maximum(p[row] - q[row], F32(0))
-            if resid.sum(dtype=F32) > 0:
-                w = resid
-        accepted[r] = a
-        next_token[r] = inverse_cdf(w, us[r])
-        margin[r] = min(margin[r], _cdf_margin(w, us[r]))
+    # the accept test of every draft row: u < min(1, p(x)/q(x)); q(x) = 0: accept iff p(x) > 0
+    valid = (tokens >= 0) & (tokens < v)
+    x = np.where(valid, tokens, 0)
+    px = np.where(valid, p[np.arange(m), x], F32(0))
+    qx = np.where(valid, q[np.arange(m), x], F32(0))
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        ratio = np.minimum(F32(1), px / np.where(qx > 0, qx, F32(1))).astype(F32)
+    ok = np.where(qx > 0, ua < ratio, px > 0)
+
+    # a_r = position of the first stop row (a rejected draft row, or the last row) of each request
+    stop = ~draft_row | ~ok
+    accepted = np.minimum.reduceat(np.where(stop, j_row, m), offs).astype(np.int64)
+
+    # final draw at row o_r + a_r: residual max(p - q, 0) after a rejection (p if it sums to 0),
+    # otherwise the bonus token from p
+    final = offs + accepted
+    w = p[final].copy()
+    resid = np.maximum(p[final] - q[final], F32(0))
+    use_resid = (accepted < lens) & (resid.sum(axis=1, dtype=F32) > 0)
+    w[use_resid] = resid[use_resid]
+    next_token = inverse_cdf(w, us)
+
+    # margins: accept tests actually made (draft rows up to and including the first rejection) + draw
+    exact_zero = ~valid | (lf[np.arange(m), x] == -np.inf) | ~(temp[row_req] > 0)
+    row_margin = np.where(qx > 0, np.abs(ua.astype(np.float64) - ratio),
+                          np.where(exact_zero & (px == 0), np.inf, px.astype(np.float64)))
+    made = draft_row & (j_row <= accepted[row_req])
+    margin = np.minimum.reduceat(np.where(made, row_margin, np.inf), offs)
+    margin = np.minimum(margin, _cdf_margin(w, us))
     return accepted, next_token, margin
 
 
-def _cdf_margin(w: np.ndarray, u) -> float:
-    c = np.cumsum(w.astype(np.float64))
-    total = float(c[-1]) if len(c) else 0.0
-    if total <= 0:
-        return np.inf
-    thr = float(u) * total
-    below = c[c <= thr]
-    above = c[c > thr]
-    gaps = [thr - below[-1]] if len(below) else [thr]
-    if len(above):
-        gaps.append(above[0] - thr)
-    return min(gaps) / total
+def _cdf_margin(w: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """Per row: distance of u * total to the nearest CDF value (or 0) below/above it, over total."""
+    c = np.cumsum(w.astype(np.float64), axis=-1)
+    total = c[..., -1]
+    thr = np.asarray(u, np.float64) * total
+    below = np.where(c <= thr[..., None], c, 0.0).max(axis=-1)  # 0 when no cdf value is <= thr
+    above = np.where(c > thr[..., None], c, np.inf).min(axis=-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        margin = np.minimum(thr - below, above - thr) / total
+    return np.where(total > 0, margin, np.inf)
 
 
 # ------------------------------------------------------------------------------------ test batches

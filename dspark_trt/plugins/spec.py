@@ -12,7 +12,9 @@ Rows are packed: request ``r`` owns the ``L_r + 1`` consecutive rows ``o_r .. o_
 ``o_r + j`` is the target distribution that verifies draft token ``x_{j+1}``, stored at
 ``draft_tokens[o_r + j]`` (j < L_r); the last row of a request gives the bonus token and its
 ``draft_tokens`` / ``draft_probs`` / ``accept_uniforms`` entries are ignored. Offsets are computed
-inside each op from ``verify_lens`` (a cumulative sum); nothing else describes the layout.
+inside each op from ``verify_lens`` (a cumulative sum); nothing else describes the layout. Inputs
+that break ``M = sum_r (L_r + 1)`` are undefined behaviour in the engine (the numpy reference and the
+torch launchers raise ValueError; the ONNX bodies and the plugins do not check, to avoid a sync).
 
 * ArgMax ties resolve to the lowest index, identically in every implementation; a row that is all
   ``-inf`` has argmax 0. NaN logits are undefined behaviour (the result is some in-range index).

@@ -26,12 +26,19 @@ code paths.
 # decorated functions as objects.
 from dspark_trt.errors import DsparkError
 
+
+class TensorRTUnavailable(DsparkError, ModuleNotFoundError):
+    """TensorRT is missing: a DsparkError (one clear line for the CLI) that is also an ImportError, so
+    ``pytest.importorskip`` and ``except ImportError`` treat it as an absent optional dependency."""
+
+
 try:  # TensorRT is an optional extra; fail with one clear line
     import tensorrt as trt
     import tensorrt.plugin as trtp
 except Exception as exc:  # ImportError, or OSError when libnvinfer is missing
-    raise DsparkError("the dspark TensorRT plugins need TensorRT >= 10.9: install `dspark-trt[trt]` on a "
-                      f"machine with an NVIDIA GPU ({type(exc).__name__}: {exc})") from exc
+    raise TensorRTUnavailable("the dspark TensorRT plugins need TensorRT >= 10.9: install `dspark-trt[trt]` on a "
+                      f"machine with an NVIDIA GPU ({type(exc).__name__}: "
+                      f"{(str(exc).splitlines() or [''])[0]})") from exc
 
 from typing import List, Tuple, Union  # noqa: E402
 
@@ -41,7 +48,7 @@ import numpy.typing as npt  # noqa: E402
 from dspark_trt.plugins import spec  # noqa: E402
 
 if not hasattr(trtp, "register") or not hasattr(trtp, "impl"):
-    raise DsparkError(f"TensorRT {trt.__version__} has no Python plugin API (needs >= 10.6, AOT >= 10.9): "
+    raise TensorRTUnavailable(f"TensorRT {trt.__version__} has no Python plugin API (needs >= 10.6, AOT >= 10.9): "
                       "install `dspark-trt[trt]` with a newer TensorRT")
 HAS_AOT = hasattr(trtp, "aot_impl")
 
@@ -71,6 +78,8 @@ def _input_dtypes(op_name: str, *inputs) -> dict:
 
 def _static(expr):
     """The value of a constant shape expression, else None."""
+    if isinstance(expr, int):
+        return expr
     try:
         return int(expr.constant_value) if expr.is_constant else None
     except (AttributeError, ValueError, TypeError):

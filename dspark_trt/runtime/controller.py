@@ -29,9 +29,11 @@ only on slots that never depend on x_k; so each sampled request's verify length 
 stays exactly target-distributed. The price is staleness, not bias: B is sized for last step's
 confidence, the allocation within B still follows the live one.
 
-Caps: a request near max_new_tokens or the context end can verify at most ``caps[r]`` drafts; caps are
-applied as an allocation constraint in both the sizing and the allocation (slots beyond a cap are
-never admitted, and B is sized only over slots that can be used).
+Caps: a request near max_new_tokens or the context end (or one that drafted fewer than K tokens) can
+verify at most ``caps[r]`` drafts; caps are applied as an allocation constraint in both the sizing and
+the allocation (slots beyond a cap are never admitted, and B is sized only over slots that can be
+used). The live values past a cap are placeholders, so the row kept for the next step's sizing
+continues the row's last per-position ratio there instead (a cap-0 row is replaced by the prior).
 """
 
 from __future__ import annotations
@@ -86,8 +88,8 @@ class ControllerMetrics:
     drafts_verified: int = 0
     prior_rows: int = 0  # sampling requests sized from the prior (no previous row)
     capped_requests: int = 0  # requests whose cap was below the drafted length
-    budgets: deque = None  # chosen budget B per step
-    solver_us: deque = None  # planning time per step (stale matrix + solve + allocation), microseconds
+    budgets: deque = field(init=False)  # chosen budget B per step
+    solver_us: deque = field(init=False)  # planning time per step (sizing + solve + allocation), microseconds
 
     def __post_init__(self):
         self.budgets = deque(maxlen=self.window)
@@ -139,7 +141,8 @@ class AdaptiveController:
     # -- state ----------------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget stale rows and the running prior (metrics are kept)."""
-        self._last: dict[Hashable, np.ndarray] = {}
+        self._rows = np.zeros((0, 0))  # last step's survivals, one row per request ...
+        self._row_of: dict[Hashable, int] = {}  # ... found by request id
         self._mean: np.ndarray | None = None
 
     @staticmethod
@@ -154,11 +157,12 @@ class AdaptiveController:
         base = self._mean if self._mean is not None else self._initial_prior
         if base is None:
             return DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64)
-        return _fit_length(base, K)
+        return _fit_width(base[None, :], K)[0]
 
     def previous_row(self, request_id: Hashable) -> np.ndarray | None:
         """The survival row stored for ``request_id`` at the last step it was planned in (or None)."""
-        return self._last.get(request_id)
+        i = self._row_of.get(request_id)
+        return None if i is None else self._rows[i].copy()
 
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, live_survival, request_ids: Sequence[Hashable], sampling_mask, cost: CostModel,
@@ -178,7 +182,8 @@ class AdaptiveController:
         ids = list(request_ids)
         if len(ids) != R:
             raise ValueError(f"got {len(ids)} request ids for {R} survival rows")
-        if len(set(ids)) != R:
+        row_of = {rid: i for i, rid in enumerate(ids)}
+        if len(row_of) != R:
             raise ValueError("request ids must be unique within a step")
         sampling = np.asarray(sampling_mask, dtype=bool)
         if sampling.shape != (R,):
@@ -200,16 +205,17 @@ class AdaptiveController:
             lengths, mode = solve_budget(S, table, draft_ms, caps=capv), "exact"
         else:
             sizing = S.copy()
-            for i in np.flatnonzero(sampling):
-                row = self._last.get(ids[i])
-                if row is None:
-                    prior += 1
-                    sizing[i] = self.prior_row(K)
-                else:
-                    sizing[i] = _fit_length(row, K)
+            rows = np.flatnonzero(sampling)
+            old = np.fromiter((self._row_of.get(ids[i], -1) for i in rows), np.int64, rows.size)
+            known = old >= 0
+            if known.any():
+                sizing[rows[known]] = _fit_width(self._rows[old[known]], K)
+            if not known.all():
+                prior = int((~known).sum())
+                sizing[rows[~known]] = self.prior_row(K)
             budget, _ = best_budget(sizing, table, draft_ms, caps=capv)
             lengths, mode = solve_budget_for_b(S, budget, caps=capv), "stale"
-        self._remember(S, ids)
+        self._remember(S, row_of, capv)
         return self._done(mode, lengths, t0, capped, prior)
 
     def plan_fixed(self, R: int, K: int, caps=None) -> np.ndarray:
@@ -222,16 +228,17 @@ class AdaptiveController:
         return np.zeros(int(R), dtype=np.int64)
 
     # -- internals ------------------------------------------------------------------------------------
-    def _remember(self, S: np.ndarray, ids: list) -> None:
+    def _remember(self, S: np.ndarray, row_of: dict, caps: np.ndarray | None) -> None:
         # Only this step's requests are kept: bounded memory; a request that skips a step falls back
         # to the prior, which is just as independent of its future drafts.
-        self._last = {rid: S[i].copy() for i, rid in enumerate(ids)}
+        S = _beyond_caps(S, caps, self.prior_row(S.shape[1])) if caps is not None else S.copy()
+        self._rows, self._row_of = S, row_of
         if S.shape[0] and S.shape[1]:
             mean = np.minimum.accumulate(np.clip(S.mean(axis=0), 0.0, 1.0))
             if self._mean is None:
                 self._mean = mean
             else:
-                old = _fit_length(self._mean, mean.size)
+                old = _fit_width(self._mean[None, :], mean.size)[0]
                 self._mean = np.minimum.accumulate((1 - self.prior_decay) * old + self.prior_decay * mean)
 
     def _done(self, mode: str, lengths: np.ndarray, t0: int, capped: int, prior: int = 0) -> np.ndarray:
@@ -239,16 +246,45 @@ class AdaptiveController:
         return lengths
 
 
-def _fit_length(row: np.ndarray, K: int) -> np.ndarray:
-    """A survival row truncated or extended to K positions (extension continues its last ratio)."""
-    n = row.size
-    if n >= K:
-        return row[:K]
-    if n == 0:
-        return DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64)
-    ratio = row[-1] / row[-2] if n >= 2 and row[-2] > 0 else row[0]
-    ratio = min(max(float(ratio), 0.0), 1.0)
-    return np.concatenate([row, row[-1] * ratio ** np.arange(1, K - n + 1)])
+def _fit_width(rows: np.ndarray, K: int) -> np.ndarray:
+    """Survival rows (n, K') truncated or extended to K positions (extension repeats each row's last
+    per-position ratio, so rows stay non-increasing)."""
+    n, width = rows.shape
+    if width >= K:
+        return rows[:, :K]
+    if width == 0:
+        return np.tile(DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64), (n, 1))
+    last = rows[:, -1]
+    if width >= 2:
+        prev = rows[:, -2]
+        ratio = np.divide(last, prev, out=np.zeros_like(last), where=prev > 0)
+    else:
+        ratio = last
+    ratio = np.clip(ratio, 0.0, 1.0)
+    return np.hstack([rows, last[:, None] * ratio[:, None] ** np.arange(1, K - width + 1)])
+
+
+def _beyond_caps(S: np.ndarray, caps: np.ndarray, prior: np.ndarray) -> np.ndarray:
+    """A copy of S whose positions at or beyond each request's cap hold an estimate, not a placeholder.
+
+    Positions past a cap were not drafted (or cannot be verified); whatever the caller put there says
+    nothing about how predictable the request is, so the row kept for next step's sizing (and the mean
+    profile) continues the row's last per-position ratio instead; a row with cap 0 becomes the prior.
+    """
+    R, K = S.shape
+    out = S.copy()
+    short = caps < K
+    if not short.any():
+        return out
+    rows = np.arange(R)
+    last = S[rows, np.maximum(caps - 1, 0)]
+    prev = np.where(caps >= 2, S[rows, np.maximum(caps - 2, 0)], 1.0)
+    ratio = np.clip(np.divide(last, prev, out=np.zeros(R), where=prev > 0), 0.0, 1.0)
+    k = np.arange(K)[None, :]
+    ext = last[:, None] * ratio[:, None] ** np.maximum(k - caps[:, None] + 1, 0)
+    out = np.where(k >= caps[:, None], ext, out)
+    out[caps == 0] = prior
+    return out
 
 
 def _check_caps(caps, R: int) -> np.ndarray:

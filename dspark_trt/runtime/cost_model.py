@@ -8,11 +8,12 @@ it by ``meta`` (file sha256s and backend), so a profile never silently outlives 
 
 Fit: median of the repeats at each measured point (robust to a stray slow run), then the
 least-squares non-decreasing fit (pool-adjacent-violators, weighted by the number of repeats), then
-linear interpolation to every integer and linear extrapolation beyond the last point. Isotonic rather
-than a running max: a running max turns one slow median (a GC pause, a clock dip) into a permanent step
-up for every larger size, biasing the solver toward smaller budgets across the whole range; isotonic
-regression pools the violating neighbours into their weighted mean, so a bump only touches its own
-block and noise is as likely to be corrected down as up. (A running min would bias the other way.)
+linear interpolation to every integer, linear extrapolation beyond the last point (flat below the
+first, where fixed overhead dominates). Isotonic rather than a running max: a running max turns one
+slow median (a GC pause, a clock dip) into a permanent step up for every larger size, biasing the
+solver toward smaller budgets across the whole range; isotonic regression pools the violating
+neighbours into their weighted mean, so a bump only touches its own block and noise is as likely to be
+corrected down as up. (A running min would bias the other way.)
 
 Drift: vLLM profiles once at startup and its users see the curve drift at large batch (clocks, memory
 fragmentation, other tenants). ``observe_verify`` / ``observe_draft`` feed measured step times back.
@@ -106,25 +107,29 @@ def _fit(points, n_max: int | None, what: str):
     n_max = max(int(xs[-1]) if n_max is None else int(n_max), 2)
     grid = np.arange(1, n_max + 1, dtype=np.float64)
     table = np.zeros(n_max + 1)
-    table[1:] = np.interp(grid, xs, fitted)  # flat outside [xs[0], xs[-1]]; fix both ends below
+    # Below the first point: flat (step times are dominated by fixed overhead at small sizes, and a
+    # downward extrapolation could reach 0 ms); beyond the last point: linear from the last two.
+    table[1:] = np.interp(grid, xs, fitted)
     if xs.size >= 2:
-        lo_slope = (fitted[1] - fitted[0]) / (xs[1] - xs[0])
-        below = grid < xs[0]
-        table[1:][below] = np.clip(fitted[0] - (xs[0] - grid[below]) * lo_slope, 0.0, fitted[0])
-        hi_slope = (fitted[-1] - fitted[-2]) / (xs[-1] - xs[-2])
         above = grid > xs[-1]
-        table[1:][above] = fitted[-1] + (grid[above] - xs[-1]) * hi_slope
+        table[1:][above] = fitted[-1] + (grid[above] - xs[-1]) * (fitted[-1] - fitted[-2]) / (xs[-1] - xs[-2])
     medians = {int(x): float(m) for x, m in zip(xs, np.asarray(meds)[order])}
     return table, medians
 
 
 def _lookup(table: np.ndarray, x):
     """table[x] for integer x >= 0; beyond the end, linear from the last two entries at index >= 1."""
+    n = table.size
+    if isinstance(x, (int, np.integer)):  # fast path: called every step
+        if x < 0:
+            raise ValueError(f"sizes must be whole numbers >= 0; got {x!r}")
+        if x < n:
+            return float(table[x])
+        return float(table[-1] + (x - (n - 1)) * (table[-1] - table[-2] if n >= 3 else 0.0))
     xa = np.asarray(x)
     if xa.size and (xa.min() < 0 or not np.all(xa == np.floor(xa))):
         raise ValueError(f"sizes must be whole numbers >= 0; got {x!r}")
     xi = xa.astype(np.int64)
-    n = table.size
     slope = table[-1] - table[-2] if n >= 3 else 0.0
     out = np.where(xi < n, table[np.minimum(xi, n - 1)], table[-1] + (xi - (n - 1)) * slope)
     return float(out) if out.ndim == 0 else out
@@ -162,6 +167,7 @@ class _Drift:
         self.reset()
 
     def reset(self) -> None:
+        self._grid: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.g = 0.0  # global log factor
         self.h = np.zeros(self.NBUCKETS)  # per-bucket residual log factor
         self.n = np.zeros(self.NBUCKETS, dtype=np.int64)
@@ -177,7 +183,7 @@ class _Drift:
         return np.interp(log2x, seen.astype(np.float64), self.h[seen])
 
     def log_factor(self, log2x) -> np.ndarray:
-        return np.clip(self.g + self._residual(log2x), self.log_lo, self.log_hi)
+        return np.minimum(np.maximum(self.g + self._residual(log2x), self.log_lo), self.log_hi)
 
     def _step(self, current: float, target: float, alpha: float) -> float:
         return current + min(max(alpha * (target - current), -self.half_step), self.half_step)
@@ -197,11 +203,23 @@ class _Drift:
                 "by_size": {1 << int(b): float(math.exp(self.log_factor(float(b)))) for b in seen}}
 
     def apply(self, base: np.ndarray) -> np.ndarray:
+        """base x factor curve, then a running max. Runs once per step when fed back every step, so the
+        factor is evaluated only at the power-of-two knots and interpolated linearly in log-size
+        between them from cached per-size segment indices and weights (no per-entry log/exp)."""
         if not self.active:
             return base
+        n = base.size
+        grid = self._grid.get(n)
+        if grid is None:
+            lx = np.log2(np.arange(1, n, dtype=np.float64))
+            seg = np.minimum(np.floor(lx).astype(np.int64), self.NBUCKETS - 2)
+            grid = self._grid[n] = (seg, lx - seg)
+        seg, w = grid
+        knots = np.exp(self.log_factor(np.arange(self.NBUCKETS, dtype=np.float64)))
+        slope = np.diff(knots)
         out = base.copy()
-        out[1:] *= np.exp(self.log_factor(np.log2(np.arange(1, base.size))))
-        return np.maximum.accumulate(out)
+        out[1:] *= knots[seg] + w * slope[seg]
+        return np.maximum.accumulate(out, out=out)
 
 
 # --------------------------------------------------------------------------------------------- table
@@ -287,7 +305,7 @@ class CostTable:
     # -- drift --------------------------------------------------------------------------------------
     def _observe(self, name: str, size, ms) -> bool:
         size, ms = int(size), float(ms)
-        if size < 1 or not (0.0 < ms < math.inf):
+        if size < 1 or not (0.0 < ms < math.inf):  # also rejects NaN
             return False
         predicted = _lookup(self._base[name], size)
         if not predicted > 0.0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 
 class Metrics:
@@ -27,6 +28,12 @@ class Metrics:
         self.budget_hist: dict[int, int] = {}
         self.last_step_ms = 0.0
         self.last_engine_ms = 0.0
+        # Per-step records for offline analysis (hindsight oracle, budgets): bounded.
+        self.step_log: deque = deque(maxlen=200_000)
+
+    def log_step(self, record: dict) -> None:
+        with self._lock:
+            self.step_log.append(record)
 
     def record_acceptance(self, verify_len: int, accepted: int) -> None:
         with self._lock:

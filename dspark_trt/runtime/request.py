@@ -67,7 +67,18 @@ class Request:
 
     def __post_init__(self):
         self.tokens = list(self.prompt_ids)
-        self.rng = np.random.default_rng(self.config.seed)
+        # Uniform draws come from per-request streams indexed by what they decide, so a request's sample
+        # depends on its own seed and verify lengths, never on its batch neighbours, and no draw is
+        # ever used twice: acceptance tests by generated-token offset (a step consumes offsets up to its
+        # first rejection and the next step starts after it); draft and residual/bonus draws by counters.
+        self.uniforms = None
+        if self.sampling:
+            n, k = self.config.max_new_tokens + 1, self.max_draft
+            rng = np.random.default_rng(self.config.seed)
+            self.uniforms = {"accept": rng.random(n + k, dtype=np.float32), "sample": rng.random(n, dtype=np.float32),
+                             "draft": rng.random((n, k), dtype=np.float32)}
+        self.sample_draws = 0
+        self.draft_rounds = 0
         self.stats.accepted_per_position = [0] * self.max_draft
         self.stats.verified_per_position = [0] * self.max_draft
         self.stats.t_submit = time.perf_counter()
@@ -79,6 +90,25 @@ class Request:
     @property
     def sampling(self) -> bool:
         return self.config.temperature > 0
+
+    def accept_draws(self, count: int) -> np.ndarray:
+        if self.uniforms is None:
+            return np.zeros(count, dtype=np.float32)
+        g = self.stats.generated
+        return self.uniforms["accept"][g:g + count]
+
+    def sample_draw(self) -> float:
+        if self.uniforms is None:
+            return 0.0
+        u = self.uniforms["sample"][min(self.sample_draws, len(self.uniforms["sample"]) - 1)]
+        self.sample_draws += 1
+        return float(u)
+
+    def draft_draw(self, k: int) -> float:
+        if self.uniforms is None:
+            return 0.5
+        d = self.uniforms["draft"]
+        return float(d[min(self.draft_rounds, len(d) - 1), k])
 
     @property
     def uncached(self) -> int:

@@ -114,6 +114,30 @@ class Runtime:
             rt.cost = load_or_profile(rt, backend, measure_if_missing=(profile == "auto"))
         return rt
 
+    @classmethod
+    def from_checkpoints(cls, target_dir, draft_dir, head_dir=None, max_draft: int = 7, max_batch: int = 16,
+                         max_context: int = 1024, dtype: str = "fp32", profile: str = "none") -> "Runtime":
+        """The eager torch reference straight from checkpoint directories (no export): for tests and
+        for checking an exported artifact against its sources."""
+        from dspark_trt.exporter.build_modules import load_steps
+        from dspark_trt.exporter.export import manifest_facts
+        from dspark_trt.runtime.backends.torch_backend import TorchBackend
+        from dspark_trt.runtime.tokenizer import load_tokenizer
+
+        if head_dir is None and (Path(draft_dir) / "confidence_head.safetensors").is_file():
+            head_dir = draft_dir
+        draft, _, head = load_steps(target_dir, draft_dir, head_dir, dtype, max_draft)
+        manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, draft.temperatures,
+                                  max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype)
+        manifest["files"] = {}
+        be = TorchBackend(None, manifest)
+        rt = cls(target_dir, manifest, be, load_tokenizer(Path(target_dir) / "tokenizer.json"))
+        if profile != "none":
+            from dspark_trt.runtime.profiling import measure
+
+            rt.cost = measure(rt, repeats=2, progress=False)
+        return rt
+
     # ------------------------------------------------------------------ submission
     def encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -314,8 +338,8 @@ class Runtime:
                 draft_tokens[row:row + L] = toks[:L]
                 draft_probs[row:row + L] = probs[:L]
             if r.sampling:
-                accept_u[row:row + L] = r.rng.random(L)
-                sample_u[i] = r.rng.random()
+                accept_u[row:row + L] = r.accept_draws(L)
+                sample_u[i] = r.sample_draw()
             row += L + 1
         feeds.update(draft_tokens=draft_tokens, draft_probs=draft_probs, temperature=temps,
                      accept_uniforms=accept_u, sample_uniforms=sample_u)
@@ -329,6 +353,13 @@ class Runtime:
             self.cost.observe_verify(int(feeds["tokens"].shape[0]), target_ms)
 
         accepted, next_tok = outs["accepted"], outs["next_token"]
+        nd = len(decode)
+        self.metrics.log_step({
+            "decode_requests": nd, "prefill_tokens": int(sum(n for _, n in chunked)),
+            "verify_lens": vl[:nd].tolist(), "accepted": [int(min(a, L)) for a, L in zip(accepted[:nd], vl[:nd])],
+            "drafted": [len(drafts[r.id][0]) if r.id in drafts else 0 for r in decode],
+            "draft_ms": draft_ms, "target_ms": target_ms, "target_tokens": int(feeds["tokens"].shape[0]),
+            "solver_us": solver_us})
         now = time.perf_counter()
         for i, r in enumerate(decode):
             a, L = int(accepted[i]), int(vl[i])
@@ -407,6 +438,7 @@ class Runtime:
             k += 1
         for r in reqs:
             r.draft_len = len(r.tokens)
+            r.draft_rounds += 1
         out = {r.id: (toks[r.id], np.stack(probs[r.id]), np.asarray(surv[r.id], dtype=np.float32)) for r in reqs}
         for r in reqs:
             r.stats.drafted_tokens += len(toks[r.id])
@@ -415,7 +447,7 @@ class Runtime:
     def _run_draft(self, reqs, queries, prev_survival, positions):
         feeds = pack_queries(queries, [r.draft_len for r in reqs], [r.slot for r in reqs])
         feeds["temperature"] = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
-        feeds["uniforms"] = np.asarray([r.rng.random() if r.sampling else 0.5 for r in reqs], dtype=np.float32)
+        feeds["uniforms"] = np.asarray([r.draft_draw(k) for r, k in zip(reqs, positions)], dtype=np.float32)
         feeds["prev_survival"] = np.asarray(prev_survival, dtype=np.float32)
         feeds["draft_position"] = np.asarray(positions, dtype=np.int64)
         t = time.perf_counter()

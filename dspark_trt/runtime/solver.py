@@ -112,7 +112,7 @@ def _rank(S: np.ndarray, caps: np.ndarray | None):
     request's cap sort last and are never admitted (capacity excludes them).
     """
     R, K = S.shape
-    flat = S.T.ravel()  # a copy, index k*R + r
+    flat = S.T.flatten()  # always a copy (ravel would be a view of the input when R or K is 1), index k*R + r
     flat += 0.0  # -0.0 -> +0.0, so the bit patterns are ordered
     key = -flat.view(np.int64)
     if caps is None:

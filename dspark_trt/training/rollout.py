@@ -1,8 +1,9 @@
 """Draft rollouts on real text: the data both head training and calibration learn from.
 
 At a position t of a text, the context is the real tokens x_{t-C..t-1} (teacher forcing). The draft then
-proposes x_1..x_K greedily, exactly as the runtime does, and one target forward over context + drafts
-gives the target distribution p_k at every draft position. For draft position k (1-based):
+proposes x_1..x_K greedily, exactly as the runtime does (prefill + single-token steps on an explicit KV
+cache, `Decoder.forward_packed`, so the hidden states come from the serving path), and one target
+forward over context + drafts gives the target distribution p_k at every draft position. For draft position k (1-based):
 
 - hidden[:, k-1]      h_k: the draft's final hidden state (after the final norm, the input of lm_head) at
                       the position whose logits predict x_k, i.e. the position fed x_{k-1};

@@ -1,0 +1,95 @@
+"""`dspark-trt generate`: prompts in, text (or JSON) out, optionally with the speed-up over no speculation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.config import GenerationConfig
+
+
+def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
+    out = list(prompts)
+    if prompts_file:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise DsparkError(f"--prompts-file {prompts_file} does not exist")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        if path.suffix == ".jsonl":
+            for n, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError:
+                    raise DsparkError(f"{prompts_file}:{n} is not valid JSON") from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise DsparkError(f"{prompts_file}:{n} has no string 'prompt' field")
+                out.append(obj["prompt"])
+        else:
+            out.extend(line.encode().decode("unicode_escape") for line in lines if line.strip())
+    if not out:
+        raise DsparkError("no prompts: pass --prompt TEXT or --prompts-file FILE")
+    return out
+
+
+def _throughput(results) -> float:
+    tokens = sum(r.stats["generated_tokens"] for r in results)
+    wall = max(r.stats["latency_s"] for r in results)
+    return tokens / wall if wall else 0.0
+
+
+def run_generate(artifact_dir, prompts, prompts_file, backend="ort", spec="adaptive", temperature=0.0,
+                 max_new_tokens=64, seed=0, compare=False, as_json=False, echo=print):
+    import time
+
+    from dspark_trt.runtime.runtime import Runtime
+
+    plist = read_prompts(prompts, prompts_file)
+    cfgs = [GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, spec=spec, seed=seed + i)
+            for i in range(len(plist))]
+    cfgs[0].validate()
+    rt = Runtime.load(artifact_dir, backend=backend)
+    try:
+        rt.generate(plist[:1], GenerationConfig(max_new_tokens=2, spec=spec))  # warm-up (first-run allocations)
+        t = time.perf_counter()
+        results = rt.generate(plist, cfgs)
+        wall = time.perf_counter() - t
+        baseline = None
+        if compare:
+            off = [GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, spec="off", seed=seed + i)
+                   for i in range(len(plist))]
+            t = time.perf_counter()
+            base_results = rt.generate(plist, off)
+            base_wall = time.perf_counter() - t
+            baseline = {"wall_s": base_wall, "tokens": sum(len(r.token_ids) for r in base_results),
+                        "identical": [a.token_ids == b.token_ids for a, b in zip(results, base_results)]}
+    finally:
+        rt.close()
+    tokens = sum(len(r.token_ids) for r in results)
+    summary = {"spec": spec, "backend": backend, "wall_s": wall, "output_tokens": tokens,
+               "tokens_per_s": tokens / wall if wall else 0.0}
+    if baseline:
+        summary["off_tokens_per_s"] = baseline["tokens"] / baseline["wall_s"] if baseline["wall_s"] else 0.0
+        summary["speedup_over_off"] = summary["tokens_per_s"] / summary["off_tokens_per_s"] if summary["off_tokens_per_s"] else 0.0
+        if temperature == 0:
+            summary["identical_to_off"] = all(baseline["identical"])
+    if as_json:
+        echo(json.dumps({"results": [r.to_dict() for r in results], "summary": summary}, indent=2))
+        return summary
+    for r in results:
+        if r.error:
+            echo(f"--- prompt {r.prompt!r}: error: {r.error}")
+            continue
+        echo(f"--- {r.prompt!r}")
+        echo(r.prompt + r.text if isinstance(r.prompt, str) else r.text)
+        echo(f"[tau {r.stats['tau']:.2f}, {r.stats['steps']} steps, {r.stats['generated_tokens']} tokens]")
+    line = f"{summary['output_tokens']} tokens in {wall:.2f}s: {summary['tokens_per_s']:.1f} tok/s ({spec}, {backend})"
+    if baseline:
+        line += (f"; no speculation: {summary['off_tokens_per_s']:.1f} tok/s; "
+                 f"speed-up {summary['speedup_over_off']:.2f}x")
+        if temperature == 0:
+            line += "; output identical to no speculation" if summary["identical_to_off"] else "; OUTPUT DIFFERS"
+    echo(line)
+    return summary

@@ -1,0 +1,262 @@
+"""The controller: exact for greedy, stale-sized (hence lossless) for sampling, caps and policies honoured."""
+
+import copy
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_trt.runtime.controller import AdaptiveController, parse_spec
+from dspark_trt.runtime.cost_model import CostTable, measurement_points
+from dspark_trt.runtime.solver import best_budget, solve_budget, solve_budget_for_b
+
+SETTINGS = settings(max_examples=60, deadline=None)
+
+
+class LinearCost:
+    """verify(t) = fixed + per_token * t; draft(b) = draft_fixed."""
+
+    def __init__(self, fixed=2.0, per_token=0.05, draft=0.5, size=64):
+        self.table = fixed + per_token * np.arange(size + 1.0)
+        self.table[0] = 0.0
+        self.draft = draft
+
+    def verify_table(self):
+        return self.table
+
+    def draft_ms(self, batch):
+        return self.draft
+
+
+COST = LinearCost()
+
+
+@st.composite
+def survival(draw, R, K):
+    c = np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=R * K, max_size=R * K))).reshape(R, K)
+    return np.cumprod(c, axis=1)
+
+
+@st.composite
+def batch(draw, max_r=4, max_k=5):
+    R = draw(st.integers(1, max_r))
+    K = draw(st.integers(1, max_k))
+    return R, K, draw(survival(R, K)), np.array(draw(st.lists(st.booleans(), min_size=R, max_size=R)))
+
+
+def geometric(R, K, c):
+    return np.tile(c ** np.arange(1, K + 1), (R, 1))
+
+
+# ------------------------------------------------------------------------------------------ greedy
+
+@SETTINGS
+@given(batch())
+def test_all_greedy_uses_the_exact_optimum_of_the_live_survivals(b):
+    R, K, S, _ = b
+    ctl = AdaptiveController()
+    lengths = ctl.plan(S, list(range(R)), np.zeros(R, bool), COST, draft_batch=R)
+    assert lengths.tolist() == solve_budget(S, COST.table, COST.draft).tolist()
+    assert ctl.metrics.steps_by_mode["exact"] == 1
+
+
+def test_greedy_verifies_everything_when_verification_is_free_and_nothing_when_ruinous():
+    S = geometric(3, 4, 0.6)
+    free = LinearCost(per_token=0.0)
+    ruinous = LinearCost(fixed=1.0, per_token=1000.0)
+    assert AdaptiveController().plan(S, "abc", np.zeros(3, bool), free, 3).tolist() == [4, 4, 4]
+    assert AdaptiveController().plan(S, "abc", np.zeros(3, bool), ruinous, 3).tolist() == [0, 0, 0]
+
+
+# ---------------------------------------------------------------------------------------- sampling
+
+def test_sampling_sizes_the_budget_from_last_steps_rows_and_allocates_from_the_live_ones():
+    ctl = AdaptiveController()
+    ids, sampling = ["a", "b", "c"], np.ones(3, bool)
+    previous = np.array([[0.9, 0.8, 0.7], [0.5, 0.2, 0.1], [0.3, 0.1, 0.0]])
+    ctl.plan(previous, ids, sampling, COST, 3)
+    live = np.array([[0.2, 0.1, 0.0], [0.95, 0.9, 0.9], [0.6, 0.5, 0.1]])
+    lengths = ctl.plan(live, ids, sampling, COST, 3)
+    budget, _ = best_budget(previous, COST.table, COST.draft)
+    assert lengths.sum() == budget
+    assert lengths.tolist() == solve_budget_for_b(live, budget).tolist()
+    assert ctl.metrics.steps_by_mode["stale"] == 2
+
+
+def test_rows_are_matched_by_request_id_not_position():
+    ctl = AdaptiveController()
+    confident, doubtful = [0.99, 0.99, 0.99], [0.1, 0.01, 0.0]
+    ctl.plan(np.array([confident, doubtful]), ["x", "y"], [True, True], COST, 2)
+    live = np.full((2, 3), 0.5)
+    lengths = ctl.plan(live, ["y", "x"], [True, True], COST, 2)  # order swapped
+    budget, _ = best_budget(np.array([doubtful, confident]), COST.table, COST.draft)
+    assert lengths.sum() == budget
+
+
+def test_new_requests_use_the_prior_then_the_running_mean_profile():
+    ctl = AdaptiveController(prior_decay=0.5)
+    K = 4
+    assert ctl.prior_row(K) == pytest.approx(0.7 ** np.arange(1, K + 1))  # before any step
+    first = geometric(2, K, 0.9)
+    ctl.plan(first, ["a", "b"], [True, True], COST, 2)
+    assert ctl.metrics.prior_rows == 2
+    assert ctl.prior_row(K) == pytest.approx(first.mean(axis=0))
+    ctl.plan(geometric(2, K, 0.5), ["a", "b"], [True, True], COST, 2)
+    assert ctl.prior_row(K) == pytest.approx(0.5 * first[0] + 0.5 * geometric(1, K, 0.5)[0])
+    # a newcomer is sized from that profile, the others from their previous rows
+    prior = ctl.prior_row(K)
+    lengths = ctl.plan(geometric(3, K, 0.3), ["a", "b", "new"], [True, True, True], COST, 3)
+    sizing = np.vstack([geometric(2, K, 0.5), prior])
+    assert lengths.sum() == best_budget(sizing, COST.table, COST.draft)[0]
+    assert ctl.metrics.prior_rows == 3
+
+
+def test_an_explicit_prior_and_a_change_of_draft_length_are_handled():
+    ctl = AdaptiveController(prior_survival=[0.9, 0.8])
+    assert ctl.prior_row(4) == pytest.approx([0.9, 0.8, 0.8 * 8 / 9, 0.8 * (8 / 9) ** 2])
+    ctl.plan(geometric(1, 2, 0.9), ["a"], [True], COST, 1)
+    lengths = ctl.plan(geometric(1, 5, 0.9), ["a"], [True], COST, 1)  # K grew: stale row is extended
+    assert lengths.shape == (1,)
+
+
+@SETTINGS
+@given(st.data(), batch())
+def test_when_sampling_the_budget_never_depends_on_the_sampled_requests_live_drafts(data, b):
+    R, K, previous, sampling = b
+    sampling[0] = True
+    ctl = AdaptiveController()
+    ids = [f"r{i}" for i in range(R)]
+    ctl.plan(previous, ids, sampling, COST, R)
+    live_a = data.draw(survival(R, K))
+    live_b = live_a.copy()
+    live_b[sampling] = data.draw(survival(int(sampling.sum()), K))  # other drafts for sampling requests
+    plan_a = copy.deepcopy(ctl).plan(live_a, ids, sampling, COST, R)
+    plan_b = copy.deepcopy(ctl).plan(live_b, ids, sampling, COST, R)
+    assert plan_a.sum() == plan_b.sum()
+
+
+@SETTINGS
+@given(st.data(), batch(max_k=6))
+def test_verifying_a_sampled_draft_token_never_depends_on_that_token(data, b):
+    """End to end: S_{r,k+1..} are functions of x_k; changing them must not change whether slots 1..k
+    of a sampling request r are verified (the stopping-rule condition for lossless sampling)."""
+    R, K, previous, sampling = b
+    r = data.draw(st.integers(0, R - 1))
+    sampling[r] = True
+    ids = list(range(R))
+    ctl = AdaptiveController()
+    ctl.plan(previous, ids, sampling, COST, R)
+    live = data.draw(survival(R, K))
+    k = data.draw(st.integers(0, K - 1))
+    other = live.copy()
+    other[r, k:] = (live[r, k - 1] if k else 1.0) * np.cumprod(data.draw(
+        st.lists(st.floats(0.0, 1.0), min_size=K - k, max_size=K - k)))
+    L1 = copy.deepcopy(ctl).plan(live, ids, sampling, COST, R)[r]
+    L2 = copy.deepcopy(ctl).plan(other, ids, sampling, COST, R)[r]
+    assert min(L1, k) == min(L2, k)
+
+
+def test_greedy_rows_in_a_mixed_batch_size_the_budget_live():
+    ctl = AdaptiveController()
+    ctl.plan(geometric(2, 3, 0.5), ["g", "s"], [False, True], COST, 2)
+    live = np.array([[0.99, 0.98, 0.97], [0.1, 0.05, 0.0]])
+    lengths = ctl.plan(live, ["g", "s"], [False, True], COST, 2)
+    sizing = np.vstack([live[0], geometric(1, 3, 0.5)])
+    assert lengths.sum() == best_budget(sizing, COST.table, COST.draft)[0]
+
+
+# -------------------------------------------------------------------------------- caps and policies
+
+@SETTINGS
+@given(st.data(), batch(), st.sampled_from(["adaptive", "fixed:3", "fixed:0", "off"]))
+def test_caps_are_respected_by_every_policy(data, b, spec):
+    R, K, S, sampling = b
+    caps = np.array(data.draw(st.lists(st.integers(0, K + 2), min_size=R, max_size=R)))
+    ctl = AdaptiveController(spec)
+    for _ in range(2):
+        lengths = ctl.plan(S, list(range(R)), sampling, COST, R, caps=caps)
+        assert (lengths >= 0).all() and (lengths <= np.minimum(caps, K)).all()
+
+
+def test_capped_requests_do_not_waste_the_budget():
+    """Sizing sees the caps too: a request that can verify nothing gets no budget sized for it."""
+    ctl = AdaptiveController()
+    S = np.array([[0.99, 0.99, 0.99], [0.5, 0.4, 0.3]])
+    ctl.plan(S, [1, 2], [True, True], COST, 2, caps=[0, 3])
+    lengths = ctl.plan(S, [1, 2], [True, True], COST, 2, caps=[0, 3])
+    assert lengths[0] == 0
+    assert lengths.sum() == best_budget(S, COST.table, COST.draft, caps=[0, 3])[0]
+    assert ctl.metrics.capped_requests == 2
+
+
+def test_placeholders_past_a_cap_do_not_drag_down_next_steps_sizing():
+    """A request that drafted 2 of 4 tokens (zero-padded, cap 2) is remembered as a continuation of its
+    row, not as a request whose later drafts are certain to be rejected."""
+    ctl = AdaptiveController(prior_decay=1.0)
+    padded = np.array([[0.9, 0.81, 0.0, 0.0], [0.5, 0.0, 0.0, 0.0]])
+    ctl.plan(padded, ["a", "b"], [True, True], COST, 2, caps=[2, 0])
+    assert ctl.previous_row("a") == pytest.approx([0.9, 0.81, 0.729, 0.6561])
+    assert ctl.previous_row("b") == pytest.approx(0.7 ** np.arange(1, 5))  # nothing known: the prior
+    assert ctl.prior_row(4)[2:] == pytest.approx((np.array([0.729, 0.6561]) + 0.7 ** np.arange(3, 5)) / 2)
+
+
+def test_fixed_and_off_policies_share_the_interface():
+    S = geometric(3, 4, 0.5)
+    assert AdaptiveController("fixed:3").plan(S, "abc", [True] * 3, COST, 3).tolist() == [3, 3, 3]
+    assert AdaptiveController("fixed:7").plan(S, "abc", [True] * 3, COST, 3).tolist() == [4, 4, 4]
+    assert AdaptiveController("off").plan(S, "abc", [True] * 3, COST, 3).tolist() == [0, 0, 0]
+    ctl = AdaptiveController()
+    assert ctl.plan_fixed(3, 2, caps=[0, 1, 5]).tolist() == [0, 1, 2]
+    assert ctl.plan_off(2).tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("spec, parsed", [("off", ("off", None)), ("adaptive", ("adaptive", None)),
+                                          ("fixed:7", ("fixed", 7)), (" Fixed:0 ", ("fixed", 0))])
+def test_spec_strings(spec, parsed):
+    assert parse_spec(spec) == parsed
+
+
+@pytest.mark.parametrize("spec", ["fixed", "fixed:-1", "fixed:x", "dynamic", ""])
+def test_bad_spec_strings_are_rejected(spec):
+    with pytest.raises(ValueError, match="spec must be"):
+        AdaptiveController(spec)
+
+
+def test_malformed_step_inputs_are_rejected():
+    ctl, S = AdaptiveController(), geometric(2, 3, 0.5)
+    with pytest.raises(ValueError, match="request ids"):
+        ctl.plan(S, ["a"], [True, True], COST, 2)
+    with pytest.raises(ValueError, match="unique"):
+        ctl.plan(S, ["a", "a"], [True, True], COST, 2)
+    with pytest.raises(ValueError, match="sampling_mask"):
+        ctl.plan(S, ["a", "b"], [True], COST, 2)
+    with pytest.raises(ValueError, match="caps"):
+        ctl.plan(S, ["a", "b"], [True, True], COST, 2, caps=[1, -1])
+    with pytest.raises(ValueError, match=r"\(R, K\)"):
+        ctl.plan(S[0], ["a"], [True], COST, 1)
+
+
+# ------------------------------------------------------------------------------------------ metrics
+
+def test_metrics_record_budgets_modes_and_solver_time():
+    ctl = AdaptiveController(metrics_window=2)
+    S = geometric(4, 3, 0.8)
+    ids = list("abcd")
+    verified = sum(ctl.plan(S, ids, sampling, COST, 4).sum() for sampling in ([False] * 4, [True] * 4, [True] * 4))
+    m = ctl.metrics
+    assert m.steps == 3 and m.steps_by_mode["exact"] == 1 and m.steps_by_mode["stale"] == 2
+    assert len(m.budgets) == 2 and len(m.solver_us) == 2  # bounded window
+    assert all(us > 0 for us in m.solver_us)
+    summary = m.summary()
+    assert summary["steps"] == 3 and summary["solver_us_p50"] > 0
+    assert summary["drafts_verified"] == verified and m.requests_planned == 12
+
+
+def test_works_with_a_profiled_cost_table_and_an_empty_batch():
+    v = {t: [2.0 + 0.02 * t] for t in measurement_points(64)}
+    table = CostTable.from_measurements(v, {b: [0.5 + 0.01 * b] for b in measurement_points(8)}, {})
+    ctl = AdaptiveController()
+    lengths = ctl.plan(geometric(8, 4, 0.8), list(range(8)), np.ones(8, bool), table, 8)
+    assert lengths.shape == (8,) and lengths.sum() > 0
+    assert ctl.plan(np.zeros((0, 4)), [], np.zeros(0, bool), table, 0).tolist() == []

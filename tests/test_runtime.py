@@ -1,0 +1,137 @@
+"""Runtime: speculation never changes greedy output, on every backend, alone and batched."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.runtime import GenerationConfig, Runtime
+
+PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def __init__(self):", "x", "return self.x + 1\n" * 6]
+MODES = ["fixed:1", "fixed:2", "fixed:4", "adaptive"]
+
+
+@pytest.fixture(scope="module")
+def torch_rt(tiny_pair):
+    rt = Runtime.from_checkpoints(*tiny_pair, max_draft=4, max_batch=8, max_context=256, profile="auto")
+    yield rt
+    rt.close()
+
+
+@pytest.fixture(scope="module")
+def ort_rt(tiny_artifact):
+    rt = Runtime.load(tiny_artifact, backend="ort")
+    yield rt
+    rt.close()
+
+
+def _greedy(rt, prompts, spec, n=32):
+    return [r.token_ids for r in rt.generate(prompts, GenerationConfig(max_new_tokens=n, spec=spec))]
+
+
+@pytest.mark.parametrize("backend", ["torch", "ort"])
+def test_greedy_speculation_is_lossless(backend, request):
+    rt = request.getfixturevalue(f"{backend}_rt")
+    alone = [_greedy(rt, [p], "off")[0] for p in PROMPTS]
+    batched_off = _greedy(rt, PROMPTS, "off")
+    assert batched_off == alone
+    for mode in MODES:
+        assert [_greedy(rt, [p], mode)[0] for p in PROMPTS[:2]] == alone[:2], mode
+        assert _greedy(rt, PROMPTS, mode) == alone, mode
+    assert rt.metrics.snapshot()["accepted_per_position"][0] > 0  # speculation actually happened
+
+
+def test_ort_matches_torch_reference(torch_rt, ort_rt):
+    assert _greedy(ort_rt, PROMPTS, "adaptive", 48) == _greedy(torch_rt, PROMPTS, "off", 48)
+
+
+def test_more_requests_than_slots_queue_and_all_finish(ort_rt):
+    prompts = [f"def f{i}(x):" for i in range(20)]  # max_batch is 8
+    outs = ort_rt.generate(prompts, GenerationConfig(max_new_tokens=12, spec="adaptive"))
+    assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
+    assert [o.token_ids for o in outs] == [_greedy(ort_rt, [p], "off", 12)[0] for p in prompts]
+
+
+def test_prompt_that_can_never_fit_fails_alone(ort_rt):
+    good = "def g(y):"
+    outs = ort_rt.generate([good, [5] * 300, good], GenerationConfig(max_new_tokens=8))
+    assert outs[1].finish_reason == "error" and "max context" in outs[1].error
+    assert outs[0].token_ids == outs[2].token_ids and len(outs[0].token_ids) == 8
+
+
+def test_long_prompt_is_prefilled_in_chunks(torch_rt):
+    long = list(range(1, 200)) * 1  # > one chunk of the draft? keep under max_context 256
+    a = torch_rt.generate([long], GenerationConfig(max_new_tokens=16, spec="adaptive"))[0]
+    b = torch_rt.generate([long], GenerationConfig(max_new_tokens=16, spec="off"))[0]
+    assert a.token_ids == b.token_ids
+
+
+def test_generation_stops_at_context_end(ort_rt):
+    out = ort_rt.generate([[7] * 240], GenerationConfig(max_new_tokens=64, spec="fixed:4"))[0]
+    assert out.finish_reason == "length" and 240 + len(out.token_ids) <= 256
+
+
+def test_sampling_repeats_with_seed(ort_rt):
+    cfg = GenerationConfig(max_new_tokens=16, temperature=0.8, seed=3, spec="adaptive")
+    a = ort_rt.generate(PROMPTS[:3], cfg)
+    b = ort_rt.generate(PROMPTS[:3], cfg)
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+
+
+def test_stream_yields_the_generated_text(ort_rt):
+    cfg = GenerationConfig(max_new_tokens=20, spec="adaptive")
+    pieces = list(ort_rt.stream("def fib(n):", cfg))
+    assert "".join(pieces) == ort_rt.generate(["def fib(n):"], cfg)[0].text
+
+
+def test_threads_can_submit_concurrently(ort_rt):
+    expected = {p: _greedy(ort_rt, [p], "off", 10)[0] for p in PROMPTS}
+    results, errors = {}, []
+
+    def worker(p):
+        try:
+            results[p] = ort_rt.generate([p], GenerationConfig(max_new_tokens=10))[0].token_ids
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and results == expected
+
+
+def test_bad_requests_are_clear_errors(ort_rt):
+    with pytest.raises(DsparkError, match="spec 'sometimes'"):
+        ort_rt.generate(["x"], GenerationConfig(spec="sometimes"))
+    with pytest.raises(DsparkError, match="max draft length 4"):
+        ort_rt.generate(["x"], GenerationConfig(spec="fixed:9"))
+    with pytest.raises(DsparkError, match="temperature"):
+        ort_rt.generate(["x"], GenerationConfig(temperature=-1))
+    with pytest.raises(DsparkError, match="outside the vocabulary"):
+        ort_rt.generate([[10 ** 6]], GenerationConfig())
+
+
+def test_stats_and_metrics(ort_rt):
+    out = ort_rt.generate(["def fib(n):"], GenerationConfig(max_new_tokens=24, spec="fixed:4"))[0]
+    st = out.stats
+    assert st["generated_tokens"] == 24 and st["steps"] >= 1
+    assert st["tau"] == pytest.approx(23 / st["steps"])
+    assert len(st["accepted_per_position"]) == 4
+    snap = ort_rt.metrics.snapshot()
+    assert 0.0 <= snap["overhead_frac"] < 1.0 and snap["verified_tokens_per_step"] >= 1
+
+
+def test_runtime_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import dspark_trt.runtime, dspark_trt.runtime.backends.ort, dspark_trt.runtime.solver\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr
