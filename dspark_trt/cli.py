@@ -161,16 +161,21 @@ def calibrate(target_dir, draft_dir, head_dir, data, report, max_draft, seed):
 @click.option("--seed", default=0, type=int)
 @click.option("--prompts-file", default=None, type=click.Path())
 @click.option("--out", "out_dir", default="bench-results", type=click.Path())
-@click.option("--quick", is_flag=True, help="Small preset for smoke tests (under 3 minutes).")
+@click.option("--quick", is_flag=True,
+              help="Small preset for smoke tests (under 3 minutes); replaces --concurrency/--modes/--num-prompts/"
+                   "--max-new-tokens left at their defaults.")
 @click.option("--peers", is_flag=True, help="Also run HF transformers assisted generation at batch 1.")
+@click.option("--rounds", default=1, type=click.IntRange(1), help="Repeat every (mode, concurrency) run, modes rotated.")
+@click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
 def bench(artifact_dir, backend, concurrency, modes, num_prompts, max_new_tokens, temperature, seed, prompts_file,
-          out_dir, quick, peers):
+          out_dir, quick, peers, rounds, force):
     """Benchmark throughput vs concurrency for every speculation mode."""
     from dspark_trt.bench.harness import run_bench
 
     path = run_bench(artifact_dir, backend=backend, concurrency=concurrency, modes=modes, num_prompts=num_prompts,
                      max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, prompts_file=prompts_file,
-                     out_dir=out_dir, quick=quick, peers=peers, echo=click.echo)
+                     out_dir=out_dir, quick=quick, peers=peers, echo=click.echo, rounds=rounds, force=force,
+                     command="dspark-trt " + " ".join(sys.argv[1:]))
     click.echo(f"wrote {path}")
 
 

@@ -8,6 +8,17 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    # Tiny test models gain nothing from intra-op threads, and on a 2-core machine torch's thread pool
+    # fights ONNX Runtime's (and any other process) for the cores: one thread keeps tests fast and steady.
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:
+        pass
 TINY_VOCAB = 300
 
 

@@ -22,8 +22,8 @@ x_k). The controller therefore sizes B with :func:`best_budget` on a *sizing mat
   the sampling requests' draft randomness), so using them cannot make admission of a sampled x_k depend
   on x_k; this only makes the sizing less stale.
 
-and then admits the top-B slots of the *live* survivals (:func:`solve_budget_for_b`). Every input of B
-is fixed before the current sampled drafts exist, and with B fixed, admission of slot (r, k) depends
+and then admits the top-B slots of the *live* survivals (:func:`solve_budget_for_b`). No input of B
+depends on the current sampled drafts, and with B fixed, admission of slot (r, k) depends
 only on slots that never depend on x_k; so each sampled request's verify length is a stopping rule
 ("verify x_k?" is decided from x_1..x_{k-1} and independent quantities) and speculative sampling
 stays exactly target-distributed. The price is staleness, not bias: B is sized for last step's

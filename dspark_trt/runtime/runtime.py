@@ -26,6 +26,7 @@ from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.request import Request
 
 PREFILL_CHUNK = 256
+PROBE_EVERY = 8  # when drafting does not pay, still draft one token every this many steps
 
 
 @dataclass
@@ -93,7 +94,10 @@ class Runtime:
         self._next_id = 0
         self._worker: threading.Thread | None = None
         self._closed = False
+        self._in_step = False
         self.stop_threshold = 0.0  # survivals below this stop drafting (learned from the last solve)
+        self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
+        self._since_probe = 0
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -174,6 +178,17 @@ class Runtime:
             self._ensure_worker()
         return req
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request is queued or running and the last step's metrics are recorded."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self.waiting and not any(self.slots) and not self._in_step:
+                    return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+            time.sleep(0.001)
+
     def cancel(self, req: Request) -> None:
         with self._lock:
             req.cancelled = True
@@ -237,9 +252,12 @@ class Runtime:
                 if self._closed:
                     return
             try:
+                self._in_step = True
                 self.step()
             except Exception as e:  # an engine failure must not leave callers waiting forever
                 self._fail_all(f"{type(e).__name__}: {e}")
+            finally:
+                self._in_step = False
 
     def _fail_all(self, message: str) -> None:
         with self._lock:
@@ -292,6 +310,10 @@ class Runtime:
         decode = [r for r in active if r.uncached == 1]
         prefill = [r for r in active if r.uncached > 1]
         spec = [r for r in decode if r.mode.kind != "off" and self._draft_cap(r) > 0]
+        n_adaptive = sum(r.mode.kind == "adaptive" for r in spec)
+        self.adaptive_steps = self._plan_draft_steps(n_adaptive, len(decode)) if n_adaptive else 0
+        if n_adaptive and self.adaptive_steps == 0:
+            spec = [r for r in spec if r.mode.kind != "adaptive"]
 
         drafts, draft_ms = self._draft(spec) if spec else ({}, 0.0)
         engine_ms += draft_ms
@@ -389,8 +411,36 @@ class Runtime:
         return True
 
     # ------------------------------------------------------------------ drafting
+    def _plan_draft_steps(self, n_adaptive: int, n_decode: int) -> int:
+        """How many draft steps adaptive requests get this step, planned before drafting.
+
+        Uses the running survival profile (which does not depend on this step's drafts) and the cost
+        table: with R requests expected to keep j drafts each, throughput is
+        R (1 + sum_{i<j} S_i) / (j draft_ms(R) + verify_ms(R (1 + j))); drafting far past the best j is
+        waste. One step of headroom lets live survivals ask for more. When no drafting pays, draft
+        nothing, but probe now and then so the profile keeps tracking the workload.
+        """
+        if self.cost is None:
+            return self.max_draft
+        k = self.max_draft
+        prof = np.asarray(self.controller.prior_row(k), dtype=np.float64)
+        j = np.arange(k + 1)
+        gain = n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
+        base = n_decode - n_adaptive
+        cost = j * float(self.cost.draft_ms(n_adaptive)) + np.asarray(
+            self.cost.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
+        best = int(np.argmax(gain / np.maximum(cost, 1e-9)))
+        if best == 0:
+            self._since_probe += 1
+            if self._since_probe < PROBE_EVERY:
+                return 0
+            self._since_probe = 0
+            return 1
+        self._since_probe = 0
+        return min(k, best + 1)
+
     def _draft_cap(self, r: Request) -> int:
-        k = r.mode.k if r.mode.kind == "fixed" else self.max_draft
+        k = r.mode.k if r.mode.kind == "fixed" else min(self.max_draft, self.adaptive_steps)
         room_new = r.remaining() - 1  # the target always adds one token
         room_ctx = self.max_context - len(r.tokens) - 1
         return max(0, min(k, room_new, room_ctx))
@@ -489,7 +539,7 @@ class Runtime:
         # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = surv[np.arange(surv.shape[1])[None, :] < plan[:, None]]
-        self.stop_threshold = 0.5 * float(admitted.min()) if admitted.size else 0.0
+        self.stop_threshold = 0.5 * float(admitted.min()) if admitted.size else float(surv[:, 0].max()) + 1e-6
         return lengths, solver_us
 
     def _verify_table(self, extra_tokens: int) -> np.ndarray:

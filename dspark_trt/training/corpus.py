@@ -23,15 +23,21 @@ def split_of(relpath: str) -> str:
 
 
 def stdlib_files(split: str = "train", root: Path | None = None) -> list[Path]:
+    import os
+
     root = root or stdlib_root()
     files = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages" in rel or "dist-packages" in rel:
-            continue
-        if split == "all" or split_of(rel) == split:
-            files.append(path)
-    return files
+    for dirpath, dirnames, filenames in os.walk(root):
+        # site-packages holds installed third-party code, not the standard library: never descend into it
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__"))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
+            if split == "all" or split_of(rel) == split:
+                files.append(path)
+    return sorted(files)
 
 
 def read_texts(paths) -> list[str]:

@@ -1,0 +1,261 @@
+"""Benchmark harness: oracle math, argument parsing, prompts, and a tiny end-to-end run (with peers)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dspark_trt.bench.harness import (DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODES, DEFAULT_NUM_PROMPTS,
+                                      QUICK, apply_quick, parse_concurrency, parse_modes, resolve_out_dir,
+                                      summarize_requests)
+from dspark_trt.bench.oracle import as_cost_fn, draft_batches, draft_cost, oracle_goodput, step_costs
+from dspark_trt.bench.prompts import corpus_prompts, file_prompts, prompt_budget, read_prompt_file
+from dspark_trt.errors import DsparkError
+
+VERIFY = np.arange(64, dtype=np.float64)  # 1 ms per target token
+DRAFT = np.array([0.0, 2.0, 3.0, 4.0, 5.0])  # ms per draft call by batch size
+
+
+def rec(verify_lens, accepted, drafted, prefill=0, **extra):
+    n = len(verify_lens)
+    return {"decode_requests": n, "prefill_tokens": prefill, "verify_lens": verify_lens, "accepted": accepted,
+            "drafted": drafted, "target_tokens": n + sum(verify_lens) + prefill, "draft_ms": 0.0,
+            "target_ms": 0.0, "solver_us": 0.0, **extra}
+
+
+# ------------------------------------------------------------------------------------------- oracle
+
+def test_draft_batches_and_cost():
+    assert draft_batches([3, 1, 0]) == [2, 1, 1]
+    assert draft_batches([0, 0]) == []
+    assert draft_batches([]) == []
+    assert draft_cost([3, 1, 0], DRAFT) == 3.0 + 2.0 + 2.0
+    assert draft_cost([2, 2], lambda b: 10.0 * b) == 40.0
+
+
+def test_cost_fn_extrapolates_linearly():
+    f = as_cost_fn([0.0, 1.0, 3.0])
+    assert (f(0), f(1), f(2), f(4)) == (0.0, 1.0, 3.0, 7.0)
+    with pytest.raises(ValueError):
+        as_cost_fn([1.0])
+
+
+def test_step_costs_hand_computed():
+    # Two decode requests: A drafted 4, verified 3, accepted 1; B drafted 1, verified 1, accepted 1; plus a
+    # 5-token prompt chunk. Actual: draft calls over [2, 1, 1, 1] requests = 3 + 2 + 2 + 2 = 9 ms, target
+    # 2 + 4 + 5 = 11 tokens = 11 ms. Oracle: draft [1, 1] -> one call over 2 = 3 ms, target 2 + 2 + 5 = 9 ms.
+    actual, oracle = step_costs(rec([3, 1], [1, 1], [4, 1], prefill=5), VERIFY, DRAFT)
+    assert actual == pytest.approx(20.0)
+    assert oracle == pytest.approx(12.0)
+
+
+def test_goodput_of_a_log():
+    log = [rec([3, 1], [1, 1], [4, 1], prefill=5),  # 20 vs 12
+           rec([2], [2], [2]),                       # perfect: 2+2 draft + 3 verify = 7 both
+           rec([0, 0], [0, 0], [0, 0])]              # plain decoding: 2 ms both
+    g = oracle_goodput(log, VERIFY, DRAFT)
+    assert g["actual_ms"] == pytest.approx(29.0)
+    assert g["oracle_ms"] == pytest.approx(21.0)
+    assert g["fraction"] == pytest.approx(21.0 / 29.0)
+    assert g["steps"] == 3
+    assert g["wasted_verify_tokens"] == 2
+    assert g["wasted_draft_tokens"] == 3
+    assert g["emitted_tokens"] == (2 + 2) + (1 + 2) + 2
+    assert oracle_goodput([rec([2], [2], [2])], VERIFY, DRAFT)["fraction"] == 1.0
+    assert oracle_goodput([], VERIFY, DRAFT)["fraction"] is None
+
+
+def test_goodput_never_exceeds_one_for_monotone_costs():
+    rng = np.random.default_rng(0)
+    verify = np.concatenate([[0.0], np.cumsum(rng.random(80))])
+    draft = np.concatenate([[0.0], np.cumsum(rng.random(10))])
+    log = []
+    for _ in range(50):
+        n = int(rng.integers(1, 6))
+        d = rng.integers(0, 5, n)
+        v = np.array([rng.integers(0, x + 1) for x in d])
+        a = np.array([rng.integers(0, x + 1) for x in v])
+        log.append(rec(v.tolist(), a.tolist(), d.tolist(), prefill=int(rng.integers(0, 4))))
+        actual, oracle = step_costs(log[-1], verify, draft)
+        assert oracle <= actual + 1e-12
+    assert 0 < oracle_goodput(log, verify, draft)["fraction"] <= 1.0
+
+
+def test_oracle_rejects_inconsistent_records():
+    with pytest.raises(ValueError, match="accepted <= verify_len"):
+        step_costs(rec([1], [2], [2]), VERIFY, DRAFT)
+    bad = rec([1], [1], [1])
+    bad["target_tokens"] = 1
+    with pytest.raises(ValueError, match="target tokens"):
+        step_costs(bad, VERIFY, DRAFT)
+
+
+# --------------------------------------------------------------------------------------- arguments
+
+def test_parse_arguments():
+    assert parse_concurrency("4,1, 2,4") == [1, 2, 4]
+    assert parse_modes("off,fixed:2,adaptive,fixed:0,off", 4) == ["off", "fixed:2", "adaptive"]
+    for bad in ("0", "1,x", "", "2.5", "-1"):
+        with pytest.raises(DsparkError, match="--concurrency"):
+            parse_concurrency(bad)
+    for bad in ("off,bogus", "fixed:", "fixed:-1"):
+        with pytest.raises(DsparkError, match="--modes"):
+            parse_modes(bad)
+    with pytest.raises(DsparkError, match="max draft length 4"):
+        parse_modes("fixed:7", 4)
+
+
+def test_quick_preset_only_replaces_defaults():
+    assert apply_quick(DEFAULT_CONCURRENCY, DEFAULT_MODES, DEFAULT_NUM_PROMPTS, DEFAULT_MAX_NEW_TOKENS) == (
+        QUICK["concurrency"], QUICK["modes"], QUICK["num_prompts"], QUICK["max_new_tokens"])
+    assert apply_quick("2", "off", 5, 7) == ("2", "off", 5, 7)
+
+
+@pytest.mark.parametrize("args, what", [(["--concurrency", "1,zero"], "--concurrency"),
+                                        (["--modes", "off,sometimes"], "--modes")])
+def test_bad_values_are_one_line_errors(args, what, tmp_path, capsys):
+    from dspark_trt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tmp_path / "no-artifact"), *args, "--out", str(tmp_path / "out")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {what}") and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_dir_is_never_overwritten(tmp_path):
+    out = tmp_path / "res"
+    assert resolve_out_dir(out) == (out, None)
+    out.mkdir()
+    (out / "other.txt").write_text("x")
+    assert resolve_out_dir(out)[0] == out
+    (out / "results.json").write_text("{}")
+    sub, note = resolve_out_dir(out)
+    assert sub.parent == out and sub.name.startswith("run-") and "already holds results" in note
+    assert resolve_out_dir(out, force=True)[0] == out
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(DsparkError, match="is a file"):
+        resolve_out_dir(tmp_path / "file")
+
+
+def test_summarize_requests_definitions():
+    reqs = [{"generated_tokens": 10, "latency_s": t, "time_to_first_token_s": 0.1} for t in
+            (1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0, 10.0)]
+    s = summarize_requests(reqs, wall_s=5.0)
+    assert s["output_tok_s"] == pytest.approx(110 / 5.0)
+    assert s["per_user_tok_s_p50"] == pytest.approx(10.0)
+    assert s["per_user_tok_s_p90"] == pytest.approx(np.percentile([10.0] * 9 + [5.0, 1.0], 10))
+    assert s["per_user_tok_s_p90"] < s["per_user_tok_s_p50"]  # p90 is the slow tail
+    assert s["tpot_ms_p50"] == pytest.approx(900 / 9)
+    peer = summarize_requests([{"generated_tokens": 4, "latency_s": 2.0}], wall_s=2.0)
+    assert peer["tpot_ms_p50"] == pytest.approx(500.0) and peer["ttft_ms_p50"] is None
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+def _tok():
+    # A byte-level stand-in tokenizer: one token per byte.
+    return (lambda s: list(s.encode())), (lambda ids: bytes(ids).decode(errors="replace"))
+
+
+def test_corpus_prompts_are_seeded_and_fit(tmp_path):
+    files = []
+    for i in range(3):
+        f = tmp_path / f"m{i}.py"
+        f.write_text("".join(f"def f{i}_{k}(x):\n    return x + {k}\n\n" for k in range(40)))
+        files.append(f)
+    (tmp_path / "empty.py").write_text("\n\n")
+    files.append(tmp_path / "empty.py")
+    enc, dec = _tok()
+    a = corpus_prompts(enc, dec, 7, seed=3, max_len=30, min_len=20, files=files)
+    b = corpus_prompts(enc, dec, 7, seed=3, max_len=30, min_len=20, files=files)
+    c = corpus_prompts(enc, dec, 7, seed=4, max_len=30, min_len=20, files=files)
+    assert [p.ids for p in a] == [p.ids for p in b] != [p.ids for p in c]
+    assert len(a) == 7 and all(20 <= len(p.ids) <= 30 for p in a)
+    assert all(p.text.strip() and p.source.split(":")[0].startswith("m") for p in a)
+    assert prompt_budget(256, 200) == 56 and prompt_budget(256, 8) == 60
+    with pytest.raises(DsparkError, match="no room"):
+        prompt_budget(64, 64)
+
+
+def test_prompt_files(tmp_path):
+    enc, dec = _tok()
+    txt = tmp_path / "p.txt"
+    txt.write_text('def a():\n\n"line one\\nline two"\n' + "x" * 100 + "\n")
+    assert [t for t, _ in read_prompt_file(txt)] == ["def a():", "line one\nline two", "x" * 100]
+    prompts, cut = file_prompts(txt, enc, dec, 10, max_len=50)
+    assert cut == 1 and len(prompts[2].ids) == 50 and prompts[0].source == "p.txt:1"
+    jl = tmp_path / "p.jsonl"
+    jl.write_text(json.dumps({"prompt": "import os\n"}) + "\n\n" + json.dumps({"prompt": "class A:"}) + "\n")
+    assert [t for t, _ in read_prompt_file(jl)] == ["import os\n", "class A:"]
+    assert len(file_prompts(jl, enc, dec, 1, 50)[0]) == 1
+    jl.write_text(json.dumps({"text": "no prompt key"}) + "\n")
+    with pytest.raises(DsparkError, match=r"p.jsonl:1 has no string \"prompt\""):
+        read_prompt_file(jl)
+    with pytest.raises(DsparkError, match="does not exist"):
+        read_prompt_file(tmp_path / "missing.txt")
+
+
+# ------------------------------------------------------------------------------------- end to end
+
+RUN_KEYS = {"mode", "concurrency", "output_tok_s", "per_user_tok_s_p50", "per_user_tok_s_p90", "tpot_ms_p50", "tau",
+            "acceptance_per_position", "verified_tokens_per_step", "solver_us_per_step", "overhead_frac",
+            "oracle_goodput_frac", "greedy_match_off", "requests", "generated_tokens", "wall_s"}
+
+
+def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
+    pytest.importorskip("transformers")
+    from click.testing import CliRunner
+
+    from dspark_trt.bench.harness import run_bench
+    from dspark_trt.cli import cli
+
+    out = tmp_path / "bench"
+    messages = []
+    path = run_bench(tiny_artifact, concurrency="1,2,16", modes="off,fixed:2,adaptive", num_prompts=3,
+                     max_new_tokens=8, out_dir=out, peers=True, echo=messages.append, progress=False)
+    assert path == out
+    assert any("exceeds the artifact's max batch 8" in m for m in messages)
+    res = json.loads((out / "results.json").read_text())
+    assert res["complete"] is True
+    assert {"cpu", "cpu_count", "versions", "backend", "artifact", "command"} <= set(res["env"])
+    assert res["env"]["command"].startswith("dspark-trt bench ")
+    runs = res["runs"]
+    assert [(r["concurrency"], r["mode"]) for r in runs] == [(c, m) for c in (1, 2, 8)
+                                                             for m in ("off", "fixed:2", "adaptive")]
+    for r in runs:
+        assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        assert r["generated_tokens"] == r["requests"] * 8 and r["output_tok_s"] > 0
+        assert len(r["acceptance_per_position"]) == 4
+        assert r["greedy_match_off"] == 1.0  # greedy speculation is lossless
+        if r["mode"] == "off":
+            assert r["tau"] == 1.0 and r["oracle_goodput_frac"] is None
+        else:
+            assert 0 < r["oracle_goodput_frac"] <= 1.0 and r["tau"] >= 1.0
+    assert [s["concurrency"] for s in res["summary"]] == [1, 2, 8]
+    assert all(s["adaptive_over_off"] > 0 for s in res["summary"])
+    # Peers: transformers plain and assisted greedy decoding reproduce our `off` tokens exactly.
+    peers = {p["mode"]: p for p in res["peers"]}
+    assert set(peers) == {"hf:target", "hf:assisted"}
+    for p in peers.values():
+        assert p["concurrency"] == 1 and p["generated_tokens"] == 3 * 8
+        assert p["greedy_match_off"] == 1.0, p.get("greedy_mismatches")
+    assert peers["hf:assisted"]["assistant"]["num_assistant_tokens"]
+    assert {c["mode"] for c in res["comparison_c1"]} >= {"off", "adaptive", "hf:target", "hf:assisted"}
+    md = (out / "results.md").read_text()
+    assert res["env"]["command"] in md and "adaptive / max(off, best fixed)" in md and "README snippet" in md
+    assert "transformers assisted generation" in md
+    assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Through the CLI, into the same --out: the first results stay, the new ones go to a subdirectory.
+    before = (out / "results.json").read_text()
+    r = CliRunner().invoke(cli, ["bench", str(tiny_artifact), "--concurrency", "1", "--modes", "off",
+                                 "--num-prompts", "1", "--max-new-tokens", "2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert (out / "results.json").read_text() == before
+    sub = [d for d in out.iterdir() if d.is_dir() and d.name.startswith("run-")]
+    assert len(sub) == 1 and (sub[0] / "results.md").is_file() and (sub[0] / "throughput.png").is_file()
+    assert json.loads((sub[0] / "results.json").read_text())["runs"][0]["generated_tokens"] == 2
