@@ -76,4 +76,4 @@ def tiny_artifact(tiny_pair, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("artifact") / "tiny"
     return export_artifacts(tiny_pair[0], tiny_pair[1], out, max_draft=4, max_batch=8, max_context=256,
-                            progress=False)
+                            progress=False, debug_logits=True)

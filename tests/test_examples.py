@@ -215,8 +215,15 @@ def test_triton_model_streams_responses_with_final_flag(triton_model, rt):
         assert all(f == 0 for f in r.sender.flags[:-1])
 
 
-def test_triton_model_errors_and_cancellation(triton_model, rt):
+def test_triton_model_errors_and_cancellation(triton_model, rt, monkeypatch):
     pb = _StandInTritonUtils
+    run = triton_model.rt.backend.run_target
+
+    def slow(*a, **kw):  # at least 5 ms a step: the 200-token request below surely outlives its cancellation
+        time.sleep(0.005)
+        return run(*a, **kw)
+
+    monkeypatch.setattr(triton_model.rt.backend, "run_target", slow)
     bad = _Request(prompt="x", spec="bogus")
     empty = _Request(prompt="")
     triton_model.execute([bad, empty])

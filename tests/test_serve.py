@@ -264,7 +264,19 @@ def _active(rt):
     return [s for s in rt.slots if s is not None]
 
 
-def test_disconnect_mid_stream_cancels_and_frees_the_slot(rt, server):
+@pytest.fixture
+def slow_steps(rt, monkeypatch):
+    """Each target step takes at least 5 ms, so a 200-token request surely outlives its client."""
+    run = rt.backend.run_target
+
+    def slow(*a, **kw):
+        time.sleep(0.005)
+        return run(*a, **kw)
+
+    monkeypatch.setattr(rt.backend, "run_target", slow)
+
+
+def test_disconnect_mid_stream_cancels_and_frees_the_slot(rt, server, slow_steps):
     app = server.app
     stats = app.state.stats
     before = stats.cancelled
@@ -281,7 +293,7 @@ def test_disconnect_mid_stream_cancels_and_frees_the_slot(rt, server):
     assert stats.finished.get("cancelled", 0) >= 1
 
 
-def test_disconnect_while_waiting_cancels_non_streaming(rt, server):
+def test_disconnect_while_waiting_cancels_non_streaming(rt, server, slow_steps):
     app = server.app
     stats = app.state.stats
     before = stats.cancelled

@@ -1,4 +1,4 @@
-"""OpenAI completions protocol: the request body, error bodies, and text streaming with stop strings.
+"""OpenAI completions protocol: the request body and error bodies.
 
 Only what `POST /v1/completions` needs. Fields the runtime cannot honour are rejected with a 400 naming the
 field (never silently ignored): n/best_of other than 1, echo, logprobs, suffix, penalties, logit_bias,
@@ -10,8 +10,6 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from dspark_trt.serve.text import TextStream  # noqa: F401  (re-exported)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -400,7 +400,7 @@ class ServerThread:
         self.app = app
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, lifespan="on")
+        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=3)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="dspark-uvicorn")
@@ -448,11 +448,14 @@ def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int
     from dspark_trt.runtime import Runtime
 
     sock = _bind(host, port)  # bind first: a busy port fails fast, before the engines load
-    rt = Runtime.load(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue)
     try:
-        app = create_app(rt, model_name=model_name or Path(artifact_dir).resolve().name)
-        config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
-        uvicorn.Server(config).run(sockets=[sock])
+        rt = Runtime.load(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue)
+        try:
+            app = create_app(rt, model_name=model_name or Path(artifact_dir).resolve().name)
+            config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
+                                    timeout_graceful_shutdown=5)
+            uvicorn.Server(config).run(sockets=[sock])
+        finally:
+            rt.close()
     finally:
-        rt.close()
         sock.close()
