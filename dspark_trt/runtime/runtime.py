@@ -309,11 +309,10 @@ class Runtime:
         engine_ms = 0.0
         decode = [r for r in active if r.uncached == 1]
         prefill = [r for r in active if r.uncached > 1]
+        n_adaptive = sum(r.mode.kind == "adaptive" for r in decode)
+        if n_adaptive:
+            self.adaptive_steps = self._plan_draft_steps(n_adaptive, len(decode))
         spec = [r for r in decode if r.mode.kind != "off" and self._draft_cap(r) > 0]
-        n_adaptive = sum(r.mode.kind == "adaptive" for r in spec)
-        self.adaptive_steps = self._plan_draft_steps(n_adaptive, len(decode)) if n_adaptive else 0
-        if n_adaptive and self.adaptive_steps == 0:
-            spec = [r for r in spec if r.mode.kind != "adaptive"]
 
         drafts, draft_ms = self._draft(spec) if spec else ({}, 0.0)
         engine_ms += draft_ms
