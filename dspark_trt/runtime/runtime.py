@@ -80,8 +80,10 @@ class Runtime:
         self.vocab = int(manifest["model"]["vocab_size"])
         kv_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[manifest["model"]["dtype"]]
         m, d = manifest["model"], manifest["draft"]
-        self.target_kv = KVCache(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
-        self.draft_kv = KVCache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"], kv_dtype)
+        # A backend may keep the caches itself (e.g. on the GPU for TensorRT); the default is host numpy.
+        make_cache = getattr(backend, "make_kv_cache", None) or KVCache
+        self.target_kv = make_cache(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
+        self.draft_kv = make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"], kv_dtype)
         self.cost = cost_table
         from dspark_trt.runtime.controller import AdaptiveController
 

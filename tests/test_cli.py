@@ -1,0 +1,77 @@
+"""The command line: every command listed, one-line errors with exit 1, JSON output of generate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dspark_trt import __version__
+
+COMMANDS = ["export", "check", "build", "generate", "profile", "train-head", "calibrate", "bench", "serve"]
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "dspark_trt.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_help_lists_every_command_and_version():
+    out = run("--help")
+    assert out.returncode == 0
+    for cmd in COMMANDS:
+        assert cmd in out.stdout
+    v = run("--version")
+    assert v.returncode == 0 and __version__ in v.stdout
+
+
+def test_user_error_is_one_line_and_debug_shows_traceback(tmp_path):
+    out = run("generate", str(tmp_path / "missing"), "--prompt", "x")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [f"error: artifact directory {tmp_path / 'missing'} does not exist: "
+                                               "create it with `dspark-trt export`"]
+    dbg = run("--debug", "generate", str(tmp_path / "missing"), "--prompt", "x")
+    assert dbg.returncode != 0 and "Traceback" in dbg.stderr
+
+
+def test_bad_option_value_exits_nonzero_without_traceback():
+    out = run("generate", ".", "--temperature", "-1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_generate_json_and_compare(tiny_artifact):
+    out = run("generate", str(tiny_artifact), "--prompt", "def fib(n):", "--prompt", "import os", "--max-new-tokens", "12",
+              "--json", "--compare")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    assert len(data["results"]) == 2
+    for r in data["results"]:
+        assert set(r) >= {"prompt", "text", "token_ids", "stats"}
+        assert set(r["stats"]) >= {"steps", "accepted_per_position", "tau", "verified_tokens", "tokens_per_s"}
+        assert len(r["token_ids"]) == 12
+    assert data["summary"]["identical_to_off"] is True
+
+
+def test_generate_prints_text_and_speedup(tiny_artifact, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "class A:"}) + "\n")
+    out = run("generate", str(tiny_artifact), "--prompts-file", str(prompts), "--max-new-tokens", "8", "--compare",
+              "--spec", "fixed:2")
+    assert out.returncode == 0, out.stderr
+    assert "class A:" in out.stdout and "speed-up" in out.stdout and "identical" in out.stdout
+
+
+def test_profile_writes_a_cost_profile(tiny_artifact):
+    out = run("profile", str(tiny_artifact), "--repeats", "1")
+    assert out.returncode == 0, out.stderr
+    prof = json.loads((tiny_artifact / "cost_profile.json").read_text())
+    v = prof["verify_ms"]
+    assert all(b >= a for a, b in zip(v, v[1:]))  # monotone
+    assert prof["meta"]["backend"] == "ort"
+
+
+@pytest.mark.parametrize("args", [["check", "/nonexistent/dir"], ["build", "/nonexistent/dir"]])
+def test_commands_on_missing_dirs_fail_cleanly(args):
+    out = run(*args)
+    assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.strip()
