@@ -116,7 +116,8 @@ def profile(artifact_dir, backend, repeats):
 @cli.command("train-head")
 @click.option("--target", "target_dir", required=True, type=click.Path())
 @click.option("--draft", "draft_dir", required=True, type=click.Path())
-@click.option("--data", required=True, type=click.Path(), help="Directory of text/code files or a JSONL of prompts.")
+@click.option("--data", required=True, type=click.Path(),
+              help="Directory of text/code files, a JSONL of prompts, or stdlib:train / stdlib:heldout.")
 @click.option("--out", "out_dir", default=None, type=click.Path(), help="Where to write the head (default: the draft directory).")
 @click.option("--max-draft", default=7, type=click.IntRange(1, 32))
 @click.option("--steps", default=2000, type=click.IntRange(1))
@@ -137,7 +138,8 @@ def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, lab
 @click.option("--target", "target_dir", required=True, type=click.Path())
 @click.option("--draft", "draft_dir", required=True, type=click.Path())
 @click.option("--head", "head_dir", default=None, type=click.Path(), help="Head directory (default: the draft directory).")
-@click.option("--data", required=True, type=click.Path(), help="Held-out directory of text/code files or JSONL.")
+@click.option("--data", required=True, type=click.Path(),
+              help="Held-out directory of text/code files, a JSONL, or stdlib:heldout.")
 @click.option("--report", default=None, type=click.Path(), help="Write the calibration report (JSON; PNGs beside it).")
 @click.option("--max-draft", default=7, type=click.IntRange(1, 32))
 @click.option("--seed", default=0, type=int)

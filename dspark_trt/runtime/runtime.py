@@ -456,14 +456,22 @@ class Runtime:
         # Catch-up: feed tokens the draft has not seen (prompt, previous verify's accepted tokens).
         # Long catch-ups are fed in chunks first, so the first drafting call stays within the limits.
         while True:
-            long = [r for r in reqs if len(r.tokens) - r.draft_len > PREFILL_CHUNK]
-            if not long:
+            behind = {r.id: len(r.tokens) - r.draft_len for r in reqs}
+            if max(behind.values()) <= PREFILL_CHUNK and sum(behind.values()) <= self.max_tokens_per_step:
                 break
-            qs = [r.tokens[r.draft_len:r.draft_len + PREFILL_CHUNK] for r in long]
-            _, ms = self._run_draft(long, qs, [1.0] * len(long), [0] * len(long))
+            group, used = [], 0
+            for r in sorted(reqs, key=lambda r: -behind[r.id]):
+                c = min(behind[r.id] - 1, PREFILL_CHUNK)  # keep at least one token for the drafting call
+                if c > 0 and used + c <= self.max_tokens_per_step:
+                    group.append((r, c))
+                    used += c
+            if not group:
+                break
+            qs = [r.tokens[r.draft_len:r.draft_len + c] for r, c in group]
+            _, ms = self._run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group))
             engine_ms += ms
-            for r in long:
-                r.draft_len += PREFILL_CHUNK
+            for r, c in group:
+                r.draft_len += c
         current = list(reqs)
         queries = [r.tokens[r.draft_len:] for r in current]
         prev = {r.id: 1.0 for r in reqs}
