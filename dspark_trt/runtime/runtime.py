@@ -26,6 +26,8 @@ from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.request import Request
 
 PREFILL_CHUNK = 256
+OBSERVE_EVERY = 4  # feed one step in this many to the cost table's drift correction (it moves slowly anyway)
+PLAN_EVERY = 8  # re-plan the adaptive draft length this often per batch shape (the profile moves slowly)
 PROBE_EVERY = 8  # when drafting does not pay, still draft one token every this many steps
 
 
@@ -100,6 +102,7 @@ class Runtime:
         self.stop_threshold = 0.0  # survivals below this stop drafting (learned from the last solve)
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
+        self._plan_cache: dict = {}
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -372,7 +375,7 @@ class Runtime:
         engine_ms += target_ms
         self.target_kv.write(present, feeds["positions"], token_slots(feeds))
         verified = int(m)
-        if self.cost is not None and hasattr(self.cost, "observe_verify"):
+        if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
             self.cost.observe_verify(int(feeds["tokens"].shape[0]), target_ms)
 
         accepted, next_tok = outs["accepted"], outs["next_token"]
@@ -423,6 +426,16 @@ class Runtime:
         """
         if self.cost is None:
             return self.max_draft
+        key = (n_adaptive, n_decode)
+        cached = self._plan_cache.get(key)
+        if cached is not None and cached[1] > 0 and cached[0] > 0:
+            self._plan_cache[key] = (cached[0], cached[1] - 1)
+            return cached[0]
+        steps = self._plan_draft_steps_now(n_adaptive, n_decode)
+        self._plan_cache[key] = (steps, PLAN_EVERY)
+        return steps
+
+    def _plan_draft_steps_now(self, n_adaptive: int, n_decode: int) -> int:
         k = self.max_draft
         prof = np.asarray(self.controller.prior_row(k), dtype=np.float64)
         j = np.arange(k + 1)
@@ -513,7 +526,7 @@ class Runtime:
         outs, present = self.backend.run_draft(feeds, self.draft_kv.past(int(feeds["past_lens"].max())))
         ms = (time.perf_counter() - t) * 1e3
         self.draft_kv.write(present, feeds["positions"], token_slots(feeds))
-        if self.cost is not None and hasattr(self.cost, "observe_draft"):
+        if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
             self.cost.observe_draft(len(reqs), ms)
         return outs, ms
 
