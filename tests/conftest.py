@@ -44,6 +44,7 @@ def make_pair(root: Path, seed: int = 0, noise: float = 0.02, arch: str = "llama
     from dspark_trt.models.config import ModelConfig
     from dspark_trt.models.decoder import Decoder
 
+    root.mkdir(parents=True, exist_ok=True)
     make_tokenizer(root / "tokenizer.json")
     vocab = json.loads((root / "tokenizer.json").read_text())["model"]["vocab"]
     v = max(vocab.values()) + 1

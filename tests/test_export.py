@@ -14,7 +14,8 @@ from dspark_trt.runtime.batch import pack_queries, verify_rows
 def _feeds(manifest, vocab, rng):
     queries = [list(rng.integers(0, vocab, n)) for n in (5, 1, 3)]
     past = [7, 12, 0]
-    feeds = pack_queries(queries, past, [3, 0, 6])
+    slots = manifest["limits"]["max_batch"]
+    feeds = pack_queries(queries, past, [slots - 1, 0, 1])
     vl = np.array([2, 0, 1])
     feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
     m = len(feeds["verify_index"])

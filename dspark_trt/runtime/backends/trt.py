@@ -1,0 +1,603 @@
+"""TensorRT backend: the draft and target engines built by `dspark-trt build`, KV caches on the GPU.
+
+Written against the TensorRT 10.9+ / 11.x Python API (TensorRT cannot be installed where this was
+written; every TensorRT call below is the documented one, and everything that does not need TensorRT is
+a plain function with unit tests):
+- `trt.Runtime(logger).deserialize_cuda_engine(data)` -> ICudaEngine, or None when the plan does not
+  load (other TensorRT version / GPU; the manifest check below refuses those first, with a clear line).
+- name-based I/O (10.0+; the binding-index API is gone): `engine.num_io_tensors`,
+  `engine.get_tensor_name(i)`, `engine.get_tensor_mode(name)` (`trt.TensorIOMode.INPUT|OUTPUT`),
+  `engine.get_tensor_dtype(name)`.
+- `engine.create_execution_context()`; per run: `context.set_input_shape(name, dims)` -> bool (False when
+  outside the optimisation profile), `context.get_tensor_shape(name)` (output shapes once every input
+  shape is set; -1 where still unknown), `context.set_tensor_address(name, ptr)` -> bool,
+  `context.execute_async_v3(stream_handle)` -> bool (enqueueV3, 8.5+; asynchronous on the stream).
+- Engines built with JIT Python plugins call back into `dspark_trt.plugins.tensorrt_plugins`, which must
+  be imported before deserializing (manifest `engines.<graph>.plugin_mode == "jit"`); AOT engines carry
+  their kernels and need no Python.
+
+Device memory is PyTorch's (see device_kv.py for why): the runtime gets `make_kv_cache` -> DeviceKVCache,
+whose `past()` views are bound to the engines by address with no copy, and whose `write()` scatters the
+present outputs (one [2L, N, KVH, D] device buffer) in one kernel. Per run, the small host inputs
+(tokens, positions, pack_index, ...) are copied to reusable device buffers, and only the non-KV outputs
+(accepted, next_token, draft_token, draft_probs, survival, ...) come back to host numpy. Everything runs
+on one CUDA stream shared by both engines and both caches, so ordering needs no extra synchronisation;
+the one host sync per run is the copy of those small outputs. So `pip install 'dspark-trt[trt]'` needs a
+CUDA build of torch next to it (the `export` extra).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.backends.device_kv import ALIGN_BYTES, PresentList, aligned_elems, torch_dtype
+
+GRAPHS = ("draft", "target")
+PAST_PREFIX = "past_key_values."
+PRESENT_PREFIX = "present."
+
+
+def not_installed_message(artifact_dir) -> str:
+    return (f"the trt backend needs TensorRT, which is not installed: pip install 'dspark-trt[trt]' on a machine "
+            f"with an NVIDIA GPU, then build the engines there with `dspark-trt build {artifact_dir}`")
+
+
+def no_engines_message(artifact_dir) -> str:
+    return f"no TensorRT engines in {artifact_dir}: run `dspark-trt build {artifact_dir}` on this GPU"
+
+
+# ============================================================================ pure logic (no TensorRT)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output as the manifest records it (dims: names from manifest `dims`, or ints)."""
+
+    name: str
+    dtype: str
+    shape: tuple
+    is_input: bool
+
+    @property
+    def kind(self) -> str:
+        """'feed' (host input), 'past' (KV input), 'present' (KV output) or 'output' (copied to host)."""
+        if self.is_input:
+            return "past" if self.name.startswith(PAST_PREFIX) else "feed"
+        return "present" if self.name.startswith(PRESENT_PREFIX) else "output"
+
+
+def _data(manifest: Any) -> Mapping:
+    return manifest.data if hasattr(manifest, "data") else manifest
+
+
+def kv_names(num_layers: int, prefix: str) -> list[str]:
+    """Interleaved KV tensor names, k0, v0, k1, ... (the order of `past` lists and present outputs)."""
+    head = PAST_PREFIX if prefix == "past" else PRESENT_PREFIX
+    return [f"{head}{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def graph_specs(manifest: Any, graph: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """(inputs, outputs) of a graph from the manifest's `graphs.<graph>` I/O lists, in graph order."""
+    try:
+        spec = _data(manifest)["graphs"][graph]
+        ins = [TensorSpec(io["name"], io["dtype"], tuple(io["shape"]), True) for io in spec["inputs"]]
+        outs = [TensorSpec(io["name"], io["dtype"], tuple(io["shape"]), False) for io in spec["outputs"]]
+    except (KeyError, TypeError):
+        raise DsparkError(f"the manifest has no I/O for the {graph} graph: re-export the artifact "
+                          f"(`dspark-trt export`)") from None
+    return ins, outs
+
+
+def graph_layers(manifest: Any, graph: str) -> int:
+    d = _data(manifest)
+    return int(d["draft" if graph == "draft" else "model"]["num_layers"])
+
+
+@dataclass(frozen=True)
+class GraphIO:
+    """A graph's tensors by role, each list in binding order."""
+
+    feeds: list[TensorSpec]     # host numpy inputs, copied to device every run (graph order)
+    past: list[TensorSpec]      # KV inputs, bound to cache views (k0, v0, k1, ...)
+    outputs: list[TensorSpec]   # outputs copied back to host numpy (graph order)
+    present: list[TensorSpec]   # KV outputs, left on the device (k0, v0, k1, ...)
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return self.feeds + self.past
+
+    @property
+    def all_outputs(self) -> list[TensorSpec]:
+        return self.outputs + self.present
+
+    def binding_order(self) -> list[str]:
+        return [s.name for s in self.feeds + self.past + self.outputs + self.present]
+
+
+def split_io(inputs: list[TensorSpec], outputs: list[TensorSpec], num_layers: int, graph: str = "") -> GraphIO:
+    """Sort a graph's tensors by role; past/present must be exactly the interleaved KV names of num_layers."""
+    by_name = {s.name: s for s in inputs + outputs}
+    past_in = [s.name for s in inputs if s.kind == "past"]
+    present_out = [s.name for s in outputs if s.kind == "present"]
+    for kind, got in (("past", past_in), ("present", present_out)):
+        want = kv_names(num_layers, kind)
+        if sorted(got) != sorted(want):
+            missing = sorted(set(want) - set(got))
+            extra = sorted(set(got) - set(want))
+            what = f"missing {missing[0]}" if missing else f"unexpected {extra[0]}"
+            raise DsparkError(f"the {graph} graph's KV {kind} tensors do not match its {num_layers} layers "
+                              f"({what}): re-export the artifact")
+    return GraphIO(feeds=[s for s in inputs if s.kind == "feed"],
+                   past=[by_name[n] for n in kv_names(num_layers, "past")],
+                   outputs=[s for s in outputs if s.kind == "output"],
+                   present=[by_name[n] for n in kv_names(num_layers, "present")])
+
+
+def host_output_names(outputs: list[TensorSpec]) -> list[str]:
+    """The outputs copied to host numpy: everything but the present KV entries."""
+    return [s.name for s in outputs if s.kind == "output"]
+
+
+def resolve_dims(inputs: list[TensorSpec], shapes: Mapping[str, tuple], graph: str = "") -> dict[str, int]:
+    """Sizes of the named dims (num_tokens, num_requests, query_len, past_len, verify_rows, ...) from the
+    shapes of the inputs actually passed; raises ValueError on a rank / static-dim / dim-name conflict."""
+    dims: dict[str, int] = {}
+    origin: dict[str, str] = {}
+    for spec in inputs:
+        if spec.name not in shapes:
+            continue
+        shape = tuple(int(n) for n in shapes[spec.name])
+        if len(shape) != len(spec.shape):
+            raise ValueError(f"{graph} input {spec.name!r} has shape {shape}; the graph expects rank "
+                             f"{len(spec.shape)} {list(spec.shape)}")
+        for axis, (d, n) in enumerate(zip(spec.shape, shape)):
+            if isinstance(d, str):
+                if d in dims and dims[d] != n:
+                    raise ValueError(f"{graph} inputs disagree on {d}: {dims[d]} from {origin[d]!r}, {n} from "
+                                     f"{spec.name!r}")
+                dims.setdefault(d, n)
+                origin.setdefault(d, spec.name)
+            elif int(d) != n:
+                raise ValueError(f"{graph} input {spec.name!r} has {n} at axis {axis}; the graph fixes it to {d}")
+    return dims
+
+
+def output_shapes(outputs: list[TensorSpec], dims: Mapping[str, int]) -> dict[str, tuple | None]:
+    """Each output's shape from the input-derived dims (outputs are sized by num_requests, num_tokens,
+    verify_rows and static ints); None when a dim does not appear in any input."""
+    out: dict[str, tuple | None] = {}
+    for spec in outputs:
+        shape = []
+        for d in spec.shape:
+            if isinstance(d, str):
+                if d not in dims:
+                    shape = None
+                    break
+                shape.append(int(dims[d]))
+            else:
+                shape.append(int(d))
+        out[spec.name] = tuple(shape) if shape is not None else None
+    return out
+
+
+def pick_output_shape(graph: str, name: str, from_manifest: tuple | None, from_engine, where: str = "") -> tuple:
+    """The shape to allocate for an output: TensorRT's (`context.get_tensor_shape`) when fully known, checked
+    against the manifest's; else the manifest's."""
+    engine = tuple(int(n) for n in from_engine) if from_engine is not None else None
+    if engine is not None and all(n >= 0 for n in engine):
+        if from_manifest is not None and engine != tuple(from_manifest):
+            raise DsparkError(f"the {graph} engine sizes output {name!r} as {list(engine)} but the artifact's graph "
+                              f"says {list(from_manifest)}: rebuild with `dspark-trt build {where or 'ARTIFACT_DIR'}`")
+        return engine
+    if from_manifest is not None:
+        return tuple(from_manifest)
+    raise DsparkError(f"the size of the {graph} engine's output {name!r} depends on data, which dspark-trt does not "
+                      f"support: re-export the artifact")
+
+
+def profile_ranges(manifest: Any, graph: str) -> dict[str, tuple[tuple, tuple, tuple]]:
+    """{input: (min, opt, max)}: the profile recorded with the built engine, else derived from manifest dims."""
+    engines = _data(manifest).get("engines") or {}
+    recorded = (engines.get(graph) or {}).get("profiles") if isinstance(engines, Mapping) else None
+    if isinstance(recorded, list) and recorded and isinstance(recorded[0], Mapping):
+        try:
+            return {name: (tuple(r["min"]), tuple(r["opt"]), tuple(r["max"])) for name, r in recorded[0].items()}
+        except (KeyError, TypeError):
+            pass
+    from dspark_trt.manifest import Manifest
+
+    m = manifest if isinstance(manifest, Manifest) else Manifest(dict(_data(manifest)))
+    return m.profiles(graph)
+
+
+def profile_problems(shapes: Mapping[str, tuple], profile: Mapping[str, tuple], graph: str = "") -> list[str]:
+    """One line per input whose shape is outside the engine's optimisation profile."""
+    problems = []
+    for name, shape in shapes.items():
+        rng = profile.get(name)
+        if rng is None:
+            continue
+        lo, _, hi = rng
+        if len(lo) != len(shape) or any(not a <= n <= b for a, n, b in zip(lo, shape, hi)):
+            problems.append(f"{graph} input {name!r} has shape {list(shape)}, outside the engine's profile "
+                            f"{list(lo)}..{list(hi)}")
+    return problems
+
+
+_TRT_DTYPE_NAMES = {"FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT64": "int64", "INT32": "int32",
+                    "INT8": "int8", "UINT8": "uint8", "BOOL": "bool", "FP8": "float8e4m3", "INT4": "int4",
+                    "FP4": "float4"}
+
+
+def trt_dtype_name(dtype) -> str:
+    """A TensorRT DataType (`trt.float32`, printed "DataType.FLOAT") as the manifest's dtype name."""
+    key = str(dtype).rsplit(".", 1)[-1].upper()
+    return _TRT_DTYPE_NAMES.get(key, key.lower())
+
+
+def check_engine_io(graph: str, io: GraphIO, engine_io: list[tuple[str, bool, str]], where: str) -> set[str]:
+    """Compare the engine's I/O tensors (name, is_input, dtype name) with the artifact's graph; returns the
+    input names the engine actually has (TensorRT may drop an input the network never reads)."""
+    want = {s.name: (s.is_input, s.dtype) for s in io.inputs + io.all_outputs}
+    got = {name: (bool(is_in), str(dt)) for name, is_in, dt in engine_io}
+    problems = []
+    for name, (is_in, dt) in want.items():
+        if name not in got:
+            if not is_in:
+                problems.append(f"it has no output {name!r}")
+            continue
+        if got[name][0] != is_in:
+            problems.append(f"{name!r} is an {'input' if got[name][0] else 'output'} of the engine")
+        elif got[name][1] != dt:
+            problems.append(f"{name!r} is {got[name][1]} in the engine, {dt} in the graph")
+    for name in got:
+        if name not in want:
+            problems.append(f"the engine has {name!r}, which the graph does not")
+    if problems:
+        more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise DsparkError(f"the {graph} engine does not match the artifact's {graph} graph: {problems[0]}{more}: "
+                          f"rebuild with `dspark-trt build {where}`")
+    return {name for name, (is_in, _) in got.items() if is_in}
+
+
+def _as_manifest(manifest: Any, artifact_dir):
+    from dspark_trt.manifest import Manifest
+
+    if isinstance(manifest, Manifest):
+        return manifest if manifest.path is not None else Manifest(manifest.data, Path(artifact_dir))
+    return Manifest(dict(manifest), Path(artifact_dir))
+
+
+def select_engines(manifest: Any, artifact_dir, trt_version: str, compute_capability) -> dict[str, tuple[Path, dict]]:
+    """{graph: (engine path, manifest engine entry)} for both graphs, or DsparkError saying what to build:
+    no engines, an engine for another TensorRT / GPU, one built from an older export, a missing or
+    modified engine file."""
+    from dspark_trt.runtime.engine_check import check_engine_compat, verify_engine_file
+
+    m = _as_manifest(manifest, artifact_dir)
+    if not m.engines:
+        raise DsparkError(no_engines_message(artifact_dir))
+    files = m.files
+    out = {}
+    for g in GRAPHS:
+        entry = check_engine_compat(m, g, trt_version, compute_capability)
+        onnx_file = (m.graphs.get(g) or {}).get("file")
+        current = (files.get(onnx_file) or {}).get("sha256") if onnx_file else None
+        if entry.get("onnx_sha256") and current and entry["onnx_sha256"] != current:
+            raise DsparkError(f"the {g} engine was built from an earlier export of {onnx_file}: rebuild with "
+                              f"`dspark-trt build {artifact_dir}`")
+        out[g] = (verify_engine_file(m, g, artifact_dir), entry)
+    return out
+
+
+def kv_dtype_for(manifest: Any, num_layers: int, slots: int, kv_heads: int, head_dim: int) -> str | None:
+    """The dtype the engines read KV in (their past inputs'), for the graph whose KV inputs have this
+    geometry; the model dtype's name when no graph matches."""
+    for g in GRAPHS:
+        try:
+            ins, _ = graph_specs(manifest, g)
+        except DsparkError:
+            continue
+        past = [s for s in ins if s.kind == "past"]
+        if len(past) == 2 * num_layers and all(tuple(s.shape[1:]) == (slots, kv_heads, head_dim) for s in past):
+            return past[0].dtype
+    dtype = (_data(manifest).get("model") or {}).get("dtype")
+    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype)
+
+
+# ============================================================================ one engine, bound and run
+
+
+class _Scratch:
+    """Grow-only buffers by name (device, or pinned host for output copies); views are 256-byte aligned."""
+
+    def __init__(self, torch, device, pinned: bool = False):
+        self.torch, self.device, self.pinned = torch, device, pinned
+        self._bufs: dict[str, Any] = {}
+
+    def get(self, name: str, shape: tuple, dtype):
+        n = max(1, int(np.prod(shape)))
+        buf = self._bufs.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < n:
+            cap = max(n, 2 * buf.numel() if buf is not None and buf.dtype == dtype else n)
+            buf = self.torch.empty(cap, dtype=dtype, device=self.device, pin_memory=self.pinned)
+            self._bufs[name] = buf
+        return buf[:int(np.prod(shape))].view(shape)
+
+
+class _PresentBuffer:
+    """All present outputs of a run in one allocation: [2L, N, KVH, D] with every layer's slice aligned."""
+
+    def __init__(self, torch, device, n_tensors: int, row_shape: tuple, dtype):
+        self.torch, self.device, self.n, self.row_shape, self.dtype = torch, device, n_tensors, tuple(row_shape), dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self._flat, self._cap, self._stride = None, 0, 0
+
+    def get(self, n_tokens: int):
+        row = int(np.prod(self.row_shape))
+        if n_tokens > self._cap:
+            self._cap = max(n_tokens, 2 * self._cap)
+            self._stride = aligned_elems(self._cap * row, self.itemsize)
+            self._flat = self.torch.empty(self.n * self._stride, dtype=self.dtype, device=self.device)
+        inner = []  # contiguous strides of one [KVH, D] row
+        acc = 1
+        for size in reversed(self.row_shape):
+            inner.insert(0, acc)
+            acc *= size
+        return self._flat.as_strided((self.n, n_tokens, *self.row_shape), (self._stride, row, *inner))
+
+
+def _is_aligned(ptr: int, device, itemsize: int) -> bool:
+    """Addresses bound to TensorRT keep cudaMalloc's 256-byte alignment (CPU stand-ins: the item size)."""
+    return ptr % (ALIGN_BYTES if device.type == "cuda" else itemsize) == 0
+
+
+class GraphRunner:
+    """Binds one engine's execution context and runs it on host feeds + device KV (see module docstring).
+
+    `context` needs only the four TensorRT calls named above, so the binding logic is exercised on CPU
+    tensors in the tests with a stand-in context; on a GPU it is TensorRT's IExecutionContext.
+    """
+
+    def __init__(self, graph: str, context, io: GraphIO, engine_inputs: set[str] | None, profile: Mapping,
+                 torch, device, stream=None, where: str = "ARTIFACT_DIR"):
+        self.graph, self.context, self.io, self.profile, self.where = graph, context, io, profile, where
+        self.torch, self.device, self.stream = torch, torch.device(device), stream
+        self.bound_inputs = {s.name for s in io.inputs} if engine_inputs is None else set(engine_inputs)
+        self.tdtype = {s.name: torch_dtype(torch, s.dtype) for s in io.inputs + io.all_outputs}
+        self.ndtype = {s.name: np.dtype(s.dtype) for s in io.feeds if s.dtype != "bfloat16"}
+        self.scratch = _Scratch(torch, self.device)
+        self.host = _Scratch(torch, "cpu", pinned=self.device.type == "cuda")
+        rows = {s.shape[1:] for s in io.present}
+        if len(rows) != 1 or not all(isinstance(d, int) for d in next(iter(rows))):
+            raise DsparkError(f"the {graph} graph's present KV outputs must all be [num_tokens, KVH, D] with static "
+                              f"KVH and D: re-export the artifact")
+        self.present_buf = _PresentBuffer(torch, self.device, len(io.present), next(iter(rows)),
+                                          self.tdtype[io.present[0].name])
+        self.stream_handle = int(stream.cuda_stream) if stream is not None and self.device.type == "cuda" else 0
+
+    def _on_stream(self):
+        if self.stream is not None and self.device.type == "cuda":
+            return self.torch.cuda.stream(self.stream)
+        return nullcontext()
+
+    def _device_past(self, name: str, p):
+        torch = self.torch
+        if (isinstance(p, torch.Tensor) and p.device == self.device and p.dtype == self.tdtype[name]
+                and p.is_contiguous() and _is_aligned(p.data_ptr(), self.device, p.element_size())):
+            return p  # a device cache view: bound as is
+        src = p if isinstance(p, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(p))
+        dst = self.scratch.get(name, tuple(src.shape), self.tdtype[name])
+        dst.copy_(src, non_blocking=True)
+        return dst
+
+    def run(self, feeds: Mapping[str, np.ndarray], past: list) -> tuple[dict[str, np.ndarray], PresentList]:
+        torch, io, ctx, g = self.torch, self.io, self.context, self.graph
+        missing = [s.name for s in io.feeds if s.name in self.bound_inputs and s.name not in feeds]
+        if missing:
+            raise ValueError(f"{g} step is missing input {missing[0]!r}")
+        if len(past) != len(io.past):
+            raise ValueError(f"{g} step got {len(past)} past KV tensors; the graph has {len(io.past)}")
+        shapes = {s.name: tuple(np.shape(feeds[s.name])) for s in io.feeds if s.name in feeds}
+        shapes.update({s.name: tuple(p.shape) for s, p in zip(io.past, past)})
+        dims = resolve_dims(io.inputs, shapes, g)
+        bound_shapes = {n: sh for n, sh in shapes.items() if n in self.bound_inputs}
+        problems = profile_problems(bound_shapes, self.profile, g)
+        if problems:
+            raise DsparkError(f"{problems[0]}: the step exceeds the limits the engines were built for "
+                              f"(rebuild with `dspark-trt build {self.where}` after re-exporting with larger limits)")
+        expected = output_shapes(io.all_outputs, dims)
+
+        tensors = {}
+        with self._on_stream():
+            for s in io.feeds:
+                if s.name not in self.bound_inputs:
+                    continue
+                host = np.asarray(feeds[s.name])
+                want = self.ndtype.get(s.name)
+                if want is not None and host.dtype != want:
+                    host = host.astype(want)
+                if not host.flags.c_contiguous or not host.flags.writeable:
+                    host = np.array(host, order="C", copy=True)
+                dev = self.scratch.get(s.name, shapes[s.name], self.tdtype[s.name])
+                dev.copy_(torch.from_numpy(host), non_blocking=True)
+                tensors[s.name] = dev
+            for s, p in zip(io.past, past):
+                if s.name in self.bound_inputs:
+                    tensors[s.name] = self._device_past(s.name, p)
+            for name in [s.name for s in io.inputs if s.name in self.bound_inputs]:
+                if not ctx.set_input_shape(name, tuple(tensors[name].shape)):
+                    raise DsparkError(f"TensorRT refused shape {list(tensors[name].shape)} for the {g} engine's input "
+                                      f"{name!r}: rebuild with `dspark-trt build {self.where}`")
+
+            out_shapes = {s.name: pick_output_shape(g, s.name, expected[s.name], ctx.get_tensor_shape(s.name),
+                                                    self.where) for s in io.all_outputs}
+            n_tokens = {out_shapes[s.name][0] for s in io.present}
+            if len(n_tokens) != 1:
+                raise DsparkError(f"the {g} engine's present KV outputs disagree on the token count: rebuild with "
+                                  f"`dspark-trt build {self.where}`")
+            stacked = self.present_buf.get(n_tokens.pop())
+            present = [stacked[i] for i in range(len(io.present))]
+            for s, t in zip(io.present, present):
+                if tuple(t.shape) != out_shapes[s.name]:
+                    raise DsparkError(f"the {g} engine sizes {s.name!r} as {list(out_shapes[s.name])}, not "
+                                      f"{list(t.shape)}: rebuild with `dspark-trt build {self.where}`")
+                tensors[s.name] = t
+            for s in io.outputs:
+                tensors[s.name] = self.scratch.get(s.name, out_shapes[s.name], self.tdtype[s.name])
+
+            for name, t in tensors.items():
+                if not ctx.set_tensor_address(name, int(t.data_ptr())):
+                    raise DsparkError(f"TensorRT refused the address of the {g} engine's tensor {name!r}")
+            if not ctx.execute_async_v3(self.stream_handle):
+                raise DsparkError(f"TensorRT failed to run the {g} engine (see the TensorRT log above; "
+                                  f"DSPARK_TRT_VERBOSE=1 for more)")
+
+            # Only the small outputs come back; one sync for all of them.
+            staged = {}
+            for s in io.outputs:
+                dev = tensors[s.name]
+                if dev.dtype == torch.bfloat16:
+                    dev = dev.float()
+                if self.device.type == "cuda":
+                    host = self.host.get(s.name, tuple(dev.shape), dev.dtype)
+                    host.copy_(dev, non_blocking=True)
+                    staged[s.name] = host
+                else:
+                    staged[s.name] = dev
+            if self.device.type == "cuda":
+                (self.stream or torch.cuda.current_stream(self.device)).synchronize()
+        named = {name: t.numpy().copy() for name, t in staged.items()}  # fresh arrays: buffers are reused
+        return named, PresentList(present, stacked)
+
+
+# ============================================================================ the backend
+
+
+def import_tensorrt(artifact_dir="ARTIFACT_DIR"):
+    """Import tensorrt or raise the one-line DsparkError that says how to get it."""
+    try:
+        import tensorrt as trt  # noqa: PLC0415 - lazy by design
+    except ModuleNotFoundError as e:
+        if (e.name or "tensorrt").split(".")[0] in ("tensorrt", "tensorrt_libs", "tensorrt_bindings"):
+            raise DsparkError(not_installed_message(artifact_dir)) from None
+        raise DsparkError(f"TensorRT failed to import ({e}): reinstall with pip install 'dspark-trt[trt]'") from None
+    except (ImportError, OSError) as e:
+        raise DsparkError(f"TensorRT is installed but failed to load ({' '.join(str(e).split())}): check the NVIDIA "
+                          f"driver and the TensorRT libraries (pip install 'dspark-trt[trt]')") from None
+    return trt
+
+
+def import_torch_cuda(device: int = 0):
+    """torch with a usable CUDA device, or a one-line DsparkError."""
+    try:
+        import torch  # noqa: PLC0415
+    except ImportError:
+        raise DsparkError("the trt backend keeps its buffers and KV caches on the GPU with PyTorch, which is not "
+                          "installed: pip install 'dspark-trt[trt,export]' (a CUDA build of torch)") from None
+    if not torch.cuda.is_available():
+        raise DsparkError(f"the trt backend needs CUDA in PyTorch, and torch {torch.__version__} sees no GPU: install "
+                          f"a CUDA build of torch (https://pytorch.org) on a machine with an NVIDIA GPU")
+    if device >= torch.cuda.device_count():
+        raise DsparkError(f"CUDA device {device} does not exist (torch sees {torch.cuda.device_count()})")
+    return torch
+
+
+def engine_io(trt, engine) -> list[tuple[str, bool, str]]:
+    """(name, is_input, dtype name) of every I/O tensor of a deserialized engine (TensorRT 10+ API)."""
+    out = []
+    for i in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(i)
+        is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+        out.append((name, is_input, trt_dtype_name(engine.get_tensor_dtype(name))))
+    return out
+
+
+class TrtBackend:
+    name = "trt"
+
+    def __init__(self, artifact_dir, manifest, device: int = 0):
+        from dspark_trt.runtime.engine_check import PLUGIN_MODULE, detect_gpu, needs_plugin_module
+
+        where = str(artifact_dir)
+        trt = import_tensorrt(where)
+        gpu = detect_gpu(device)
+        if gpu is None:
+            raise DsparkError("the trt backend needs an NVIDIA GPU and none was found (no driver, or "
+                              "CUDA_VISIBLE_DEVICES hides it)")
+        selected = select_engines(manifest, artifact_dir, str(getattr(trt, "__version__", "unknown")),
+                                  gpu.compute_capability)
+        torch = import_torch_cuda(device)
+        if any(needs_plugin_module(entry) for _, entry in selected.values()):
+            try:
+                importlib.import_module(PLUGIN_MODULE)
+            except Exception as e:
+                raise DsparkError(f"the engines were built with JIT plugins, and {PLUGIN_MODULE} failed to load "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())}): fix it, or rebuild with "
+                                  f"`dspark-trt build {where}` (AOT plugins need no Python)") from None
+        dev = torch.device("cuda", device)
+        torch.cuda.set_device(dev)  # TensorRT then uses the same (primary) CUDA context as torch
+        level = trt.Logger.VERBOSE if os.environ.get("DSPARK_TRT_VERBOSE") else trt.Logger.WARNING
+        self._logger = trt.Logger(level)
+        self._trt_runtime = trt.Runtime(self._logger)
+        self._engines = {}
+        contexts = {}
+        for g, (path, _entry) in selected.items():
+            engine = self._trt_runtime.deserialize_cuda_engine(path.read_bytes())
+            if engine is None:
+                raise DsparkError(f"TensorRT could not load the {g} engine {path} (see the TensorRT log above): "
+                                  f"rebuild with `dspark-trt build {where}`")
+            context = engine.create_execution_context()
+            if context is None:
+                raise DsparkError(f"TensorRT could not create an execution context for the {g} engine (out of GPU "
+                                  f"memory?)")
+            self._engines[g] = engine
+            contexts[g] = (context, engine_io(trt, engine))
+        self._setup(artifact_dir, manifest, contexts, torch, dev, torch.cuda.Stream(device=dev))
+
+    @classmethod
+    def from_contexts(cls, artifact_dir, manifest, contexts: Mapping[str, tuple[Any, list | None]], torch,
+                      device="cpu", stream=None) -> "TrtBackend":
+        """A backend over given execution contexts ({graph: (context, engine_io or None)}): what __init__
+        builds from TensorRT engines, and what the tests build from stand-ins on CPU tensors."""
+        self = cls.__new__(cls)
+        self._engines = {}
+        self._setup(artifact_dir, manifest, contexts, torch, torch.device(device), stream)
+        return self
+
+    def _setup(self, artifact_dir, manifest, contexts, torch, device, stream) -> None:
+        where = str(artifact_dir)
+        self.artifact_dir, self.manifest, self.torch = artifact_dir, manifest, torch
+        self.device, self.stream = device, stream
+        self.num_layers = {g: graph_layers(manifest, g) for g in GRAPHS}
+        self.runners = {}
+        for g in GRAPHS:
+            ins, outs = graph_specs(manifest, g)
+            io = split_io(ins, outs, self.num_layers[g], g)
+            context, eio = contexts[g]
+            bound = check_engine_io(g, io, eio, where) if eio is not None else None
+            self.runners[g] = GraphRunner(g, context, io, bound, profile_ranges(manifest, g), torch, device, stream,
+                                          where)
+
+    def make_kv_cache(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int, dtype=None):
+        """A device KV cache in the dtype the engines read (the runtime's dtype is its host stand-in:
+        bf16 models get float32 on the host, bfloat16 here)."""
+        from dspark_trt.runtime.backends.device_kv import DeviceKVCache
+
+        kv = kv_dtype_for(self.manifest, num_layers, slots, kv_heads, head_dim) or dtype or "float32"
+        return DeviceKVCache(num_layers, max_context, slots, kv_heads, head_dim, kv, device=self.device,
+                             stream=self.stream, torch=self.torch)
+
+    def run_draft(self, feeds, past):
+        return self.runners["draft"].run(feeds, past)
+
+    def run_target(self, feeds, past):
+        return self.runners["target"].run(feeds, past)
