@@ -85,14 +85,17 @@ class DraftStep(_PackedGraph):
         last = pack_index.gather(1, (query_lens - 1)[:, None])[:, 0]  # packed index of each request's last token
         h_last = hidden[last]
         logits = self.logits(h_last)  # [R, V]
-        zeros_i = torch.zeros_like(query_lens)
-        _, token = call_op("SampleAccept", [logits, torch.zeros_like(logits), zeros_i, zeros_i, temperature,
-                                            torch.zeros_like(temperature), uniforms],
-                           {}, [torch.int64, torch.int64], [[r], [r]])
+        # Token choice in a handful of plain ops (the draft runs K times per step, so its per-call cost
+        # matters): greedy = ArgMax (lowest index on ties, in torch and ONNX alike); sampling = inverse
+        # CDF of softmax(logits / T) with the supplied uniform.
         greedy = (temperature <= 0)[:, None]
         safe_t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))[:, None]
+        soft = torch.softmax(logits / safe_t, dim=-1)
+        cdf = torch.cumsum(soft, dim=-1)
+        sampled = (cdf < uniforms[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=logits.shape[1] - 1)
+        token = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
         onehot = (torch.arange(logits.shape[1])[None, :] == token[:, None]).float()
-        probs = torch.where(greedy, onehot, torch.softmax(logits / safe_t, dim=-1))
+        probs = torch.where(greedy, onehot, soft)
         if self.head is not None:
             conf = self.head(h_last, tokens[last]).float()
         else:

