@@ -66,6 +66,25 @@ def tool_versions(names: Iterable[str] = tuple(_TOOL_DISTRIBUTIONS)) -> dict[str
     return out
 
 
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write bytes to a temporary file beside `path`, fsync, then rename: readers never see a half file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     """Hex sha256 of a file, streamed (graphs with external weights can be many GB)."""
     h = hashlib.sha256()
@@ -242,21 +261,8 @@ class Manifest:
                 raise DsparkError("Manifest.save() needs an artifact directory")
             artifact_dir = self.path
         path = _manifest_path(artifact_dir)
-        path.parent.mkdir(parents=True, exist_ok=True)
         text = json.dumps(self.data, indent=2, sort_keys=False, allow_nan=False) + "\n"
-        fd, tmp = tempfile.mkstemp(prefix=".manifest.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomic(path, text.encode("utf-8"))
         self.path = path.parent
         return path
 

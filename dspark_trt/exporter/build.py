@@ -16,12 +16,10 @@ Facts this relies on (notes/tensorrt.md):
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.manifest import GRAPHS, MODEL_DTYPE_TO_ONNX, Manifest, now_iso, sha256_file
+from dspark_trt.manifest import GRAPHS, MODEL_DTYPE_TO_ONNX, Manifest, now_iso, sha256_file, write_atomic
 
 PLUGIN_MODULE = "dspark_trt.plugins.tensorrt_plugins"
 PLUGIN_NAMESPACE = "dspark"
@@ -153,20 +151,7 @@ def plan_build(artifact_dir, out_dir=None, plugin_mode: str = "aot",
 
 
 def _write_atomic(path: Path, data) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomic(path, bytes(data))
 
 
 def _relative_to(path: Path, base: Path) -> str:
