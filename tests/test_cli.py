@@ -75,3 +75,11 @@ def test_profile_writes_a_cost_profile(tiny_artifact):
 def test_commands_on_missing_dirs_fail_cleanly(args):
     out = run(*args)
     assert out.returncode == 1 and "Traceback" not in out.stderr and out.stderr.strip()
+
+
+def test_generate_text_prompts_file_keeps_non_ascii(tiny_artifact, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text('# café\n"def f():\\n    return 1"\n', encoding="utf-8")
+    out = run("generate", str(tiny_artifact), "--prompts-file", str(prompts), "--max-new-tokens", "4", "--spec", "off")
+    assert out.returncode == 0, out.stderr
+    assert "# café" in out.stdout and "def f():\n    return 1" in out.stdout

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import GenerationConfig
+from dspark_trt.runtime.prompt_files import read_prompt_file
 
 
 COMPARE_ROUNDS = 3
@@ -17,23 +17,7 @@ COMPARE_ROUNDS = 3
 def read_prompts(prompts: list[str], prompts_file: str | None) -> list[str]:
     out = list(prompts)
     if prompts_file:
-        path = Path(prompts_file)
-        if not path.is_file():
-            raise DsparkError(f"--prompts-file {prompts_file} does not exist")
-        lines = path.read_text(encoding="utf-8").splitlines()
-        if path.suffix == ".jsonl":
-            for n, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError:
-                    raise DsparkError(f"{prompts_file}:{n} is not valid JSON") from None
-                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-                    raise DsparkError(f"{prompts_file}:{n} has no string 'prompt' field")
-                out.append(obj["prompt"])
-        else:
-            out.extend(line.encode().decode("unicode_escape") for line in lines if line.strip())
+        out.extend(text for text, _ in read_prompt_file(prompts_file))
     if not out:
         raise DsparkError("no prompts: pass --prompt TEXT or --prompts-file FILE")
     return out

@@ -57,20 +57,16 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
     max_tokens = max_tokens or min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     max_batch = max_batch or rt.slots_total
 
-    def time_verify(t: int) -> float:
-        feeds = _verify_feeds(rt, t)
-        past = rt.target_kv.past(PROFILE_PAST)
-        s = time.perf_counter()
-        rt.backend.run_target(feeds, past)
-        return (time.perf_counter() - s) * 1e3
+    def timer(run, make_feeds, cache):
+        def ms(size: int) -> float:
+            feeds, past = make_feeds(rt, size), cache.past(PROFILE_PAST)
+            s = time.perf_counter()
+            run(feeds, past)
+            return (time.perf_counter() - s) * 1e3
+        return ms
 
-    def time_draft(b: int) -> float:
-        feeds = _draft_feeds(rt, b)
-        past = rt.draft_kv.past(PROFILE_PAST)
-        s = time.perf_counter()
-        rt.backend.run_draft(feeds, past)
-        return (time.perf_counter() - s) * 1e3
-
+    time_verify = timer(rt.backend.run_target, _verify_feeds, rt.target_kv)
+    time_draft = timer(rt.backend.run_draft, _draft_feeds, rt.draft_kv)
     vp, dp = profile_points(time_verify, time_draft, max_tokens, max_batch, repeats, progress=progress, warmup=1)
     return CostTable.from_measurements(vp, dp, profile_meta(rt.manifest, rt.backend.name),
                                        max_tokens=max_tokens, max_batch=max_batch)
