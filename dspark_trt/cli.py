@@ -123,14 +123,20 @@ def profile(artifact_dir, backend, repeats):
 @click.option("--steps", default=2000, type=click.IntRange(1))
 @click.option("--rank", default=64, type=click.IntRange(1), help="Rank of the previous-token embedding.")
 @click.option("--labels", default="expected", type=click.Choice(["expected", "greedy"]), help="Soft 1-TV labels or greedy exact match.")
+@click.option("--stats", "stats", default="log_max_prob,entropy,log_margin",
+              help="Statistics of the draft's own distribution the head also sees (comma-separated), or 'none' "
+                   "for the plain DSpark head on [h ; e(x_prev)].")
+@click.option("--contexts", "num_contexts", default=None, type=click.IntRange(1),
+              help="Contexts rolled out for training (x max-draft labelled positions) [default: 4096].")
 @click.option("--seed", default=0, type=int)
 @click.option("--force", is_flag=True, help="Overwrite an existing head.")
-def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, labels, seed, force):
+def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, labels, stats, num_contexts, seed, force):
     """Train the confidence head on real acceptance labels."""
     from dspark_trt.training.head_training import train_head as run
 
+    names = [] if stats.strip().lower() in ("", "none") else [n.strip() for n in stats.split(",") if n.strip()]
     path = run(target_dir, draft_dir, data, out_dir=out_dir, max_draft=max_draft, steps=steps, rank=rank,
-               labels=labels, seed=seed, overwrite=force)
+               labels=labels, seed=seed, overwrite=force, stats=names, num_contexts=num_contexts)
     click.echo(f"wrote {path}")
 
 
@@ -142,12 +148,16 @@ def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, lab
               help="Held-out directory of text/code files, a JSONL, or stdlib:heldout.")
 @click.option("--report", default=None, type=click.Path(), help="Write the calibration report (JSON; PNGs beside it).")
 @click.option("--max-draft", default=7, type=click.IntRange(1, 32))
+@click.option("--contexts", "num_contexts", default=None, type=click.IntRange(1),
+              help="Held-out contexts rolled out (per position n; ECE's sampling noise shrinks as 1/sqrt(n)) "
+                   "[default: 2048].")
 @click.option("--seed", default=0, type=int)
-def calibrate(target_dir, draft_dir, head_dir, data, report, max_draft, seed):
+def calibrate(target_dir, draft_dir, head_dir, data, report, max_draft, num_contexts, seed):
     """Sequential temperature scaling of the confidence head, with a report."""
     from dspark_trt.training.calibration import calibrate as run
 
-    result = run(target_dir, draft_dir, data, head_dir=head_dir, report_path=report, max_draft=max_draft, seed=seed)
+    result = run(target_dir, draft_dir, data, head_dir=head_dir, report_path=report, max_draft=max_draft, seed=seed,
+                 num_contexts=num_contexts)
     for line in result.table_lines():
         click.echo(line)
 

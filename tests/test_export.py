@@ -132,3 +132,67 @@ def test_other_families_export_and_match(arch, tmp_path):
     with Runtime.load(art, profile="none") as ort_rt, Runtime.from_checkpoints(t, d, max_draft=3, max_batch=4,
                                                                               max_context=128) as ref:
         assert ort_rt.generate(["def f(x):"], cfg)[0].token_ids == ref.generate(["def f(x):"], GenerationConfig(max_new_tokens=64, spec="off"))[0].token_ids
+
+
+@pytest.fixture(scope="module")
+def stats_head_artifact(tiny_pair, tmp_path_factory):
+    """The tiny pair with a random confidence head that also reads the draft statistics."""
+    import torch
+
+    from dspark_trt.exporter.export import export_artifacts
+    from dspark_trt.models.confidence_head import DRAFT_STATS, ConfidenceHead
+
+    root = tmp_path_factory.mktemp("stats-head")
+    head = ConfidenceHead(64, json.loads((tiny_pair[1] / "config.json").read_text())["vocab_size"], rank=2,
+                          max_draft=4, temperatures=[1.0, 1.3, 0.8, 1.1], stats=DRAFT_STATS)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        head.proj.weight.copy_(torch.randn(head.proj.weight.shape, generator=g) * 0.3)
+        head.proj.bias.fill_(0.5)
+    head.save(root / "head")
+    return export_artifacts(tiny_pair[0], tiny_pair[1], root / "art", head_dir=root / "head", max_draft=4,
+                            max_batch=8, max_context=256, progress=False)
+
+
+def test_head_with_draft_stats_exports_and_matches_torch(stats_head_artifact):
+    import onnxruntime as ort
+    import torch
+
+    from dspark_trt.exporter.build_modules import build_steps
+    from dspark_trt.exporter.graphs import DRAFT_INPUTS
+
+    art = stats_head_artifact
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["draft"]["confidence"] == "head"
+    rng = np.random.default_rng(0)
+    vocab = manifest["model"]["vocab_size"]
+    feeds = pack_queries([list(rng.integers(0, vocab, n)) for n in (3, 1, 2)], [4, 9, 0], [2, 0, 5])
+    feeds.update(temperature=np.array([0.0, 0.7, 1.0], np.float32), uniforms=rng.random(3, dtype=np.float32),
+                 prev_survival=np.array([1.0, 0.6, 0.3], np.float32), draft_position=np.array([0, 1, 3]))
+    d = manifest["draft"]
+    kv = [rng.standard_normal((9, 8, d["num_kv_heads"], d["head_dim"])).astype(np.float32)
+          for _ in range(2 * d["num_layers"])]
+    names = [f"past_key_values.{i}.{k}" for i in range(d["num_layers"]) for k in ("key", "value")]
+    sess = ort.InferenceSession(str(art / "draft.onnx"), providers=["CPUExecutionProvider"])
+    outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {**feeds, **dict(zip(names, kv))})))
+    draft, _ = build_steps(manifest)
+    assert draft.head.stats
+    with torch.no_grad():
+        ref = draft(*[torch.from_numpy(np.asarray(feeds[k])) for k in DRAFT_INPUTS], *[torch.from_numpy(k) for k in kv])
+    assert (outs["draft_token"] == ref[0].numpy()).all()
+    assert np.abs(outs["confidence_logit"] - ref[3].numpy()).max() <= 1e-4
+    assert np.abs(outs["survival"] - ref[2].numpy()).max() <= 1e-5
+    assert np.ptp(outs["confidence_logit"]) > 1e-3  # the head is not a constant
+
+
+def test_head_with_draft_stats_is_lossless_in_the_runtime(stats_head_artifact):
+    from dspark_trt.runtime import GenerationConfig, Runtime
+
+    rt = Runtime.load(stats_head_artifact, profile="none")
+    try:
+        prompts = ["def fib(n):", "import os\n", "class Foo:"]
+        off = rt.generate(prompts, GenerationConfig(max_new_tokens=24, spec="off"))
+        ada = rt.generate(prompts, GenerationConfig(max_new_tokens=24, spec="adaptive"))
+        assert [o.token_ids for o in ada] == [o.token_ids for o in off]
+    finally:
+        rt.close()

@@ -104,6 +104,11 @@ def test_rollout_matches_definitions(pair):
             assert np.allclose(ro.label_expected[row], torch.minimum(p, q).sum(-1).numpy(), atol=1e-5)
             assert ro.label_greedy[row].tolist() == (p.argmax(-1) == x[0, c:]).float().tolist()
             assert np.allclose(ro.fallback_conf[row], q.max(-1).values.numpy(), atol=1e-6)
+            logq = torch.log_softmax(d_logits[0, c - 1:], -1)
+            top2 = logq.topk(2, -1).values
+            by_hand = torch.stack([logq.max(-1).values, -(logq.exp() * logq).sum(-1), top2[:, 0] - top2[:, 1]], -1)
+            assert np.allclose(ro.draft_stats[row], by_hand.numpy(), atol=1e-4)
+            assert np.allclose(ro.stats_for(["entropy"])[row, :, 0], by_hand[:, 1].numpy(), atol=1e-4)
     again = rollout(target, draft, stream, num_contexts=20, max_draft=k, context_len=16, batch_size=8, seed=3,
                     progress=False)
     assert np.array_equal(again.hidden, ro.hidden) and np.array_equal(again.label_expected, ro.label_expected)
@@ -123,6 +128,44 @@ def test_fold_standardization_is_exact():
     head = fold_standardization(work, mu, sigma)
     expect = work(((h - torch.from_numpy(mu)) / torch.from_numpy(sigma)).float(), prev)
     assert torch.allclose(head(h, prev), expect, atol=1e-4)
+
+
+def test_fold_standardization_is_exact_with_draft_stats():
+    torch.manual_seed(0)
+    work = ConfidenceHead(16, 10, 4, 3, stats=("entropy", "log_max_prob"))
+    with torch.no_grad():
+        work.proj.weight.normal_()
+    mu, sigma = np.random.default_rng(0).normal(size=18), np.random.default_rng(1).uniform(0.5, 2, 18)
+    h, s = torch.randn(50, 16), torch.randn(50, 2)
+    prev = torch.randint(0, 10, (50,))
+    head = fold_standardization(work, mu, sigma)
+    dense = ((torch.cat([h, s], -1) - torch.from_numpy(mu)) / torch.from_numpy(sigma)).float()
+    assert torch.allclose(head(h, prev, s), work(dense[:, :16], prev, dense[:, 16:]), atol=1e-4)
+    assert head.stats == ("entropy", "log_max_prob")
+
+
+def test_a_head_that_reads_draft_stats_refuses_to_run_without_them():
+    head = ConfidenceHead(8, 10, 2, 3, stats=("entropy",))
+    with pytest.raises(DsparkError, match="entropy"):
+        head(torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(DsparkError, match="unknown draft statistic 'max'"):
+        ConfidenceHead(8, 10, 2, 3, stats=("max",))
+
+
+def test_fit_head_uses_the_draft_stats():
+    """The label depends only on a draft statistic (invisible in the hidden state): a head with the stat
+    ranks it, the plain head cannot."""
+    rng = np.random.default_rng(0)
+    n, k, h = 800, 3, 8
+    hidden = rng.normal(size=(n, k, h)).astype(np.float32)
+    prev = rng.integers(0, 20, size=(n, k))
+    stat = rng.normal(size=(n, k, 1)).astype(np.float32)
+    label = (rng.uniform(size=(n, k)) < 1 / (1 + np.exp(-3 * stat[..., 0]))).astype(np.float32)
+    kw = dict(vocab_size=20, rank=2, steps=200, seed=0, lr=2e-2, progress=False)
+    with_stat, _ = fit_head(hidden, prev, label, np.ones((n, k)), stats=stat, stat_names=("entropy",), **kw)
+    plain, _ = fit_head(hidden, prev, label, np.ones((n, k)), **kw)
+    assert auroc(head_logits(with_stat, hidden, prev, stat), label) > 0.8
+    assert auroc(head_logits(plain, hidden, prev), label) < 0.6
 
 
 def test_fit_head_learns_a_linear_signal():
@@ -152,6 +195,7 @@ def test_train_head_cli_end_to_end_and_force(pair, tmp_path, small_defaults):
     assert head.temperatures == [1.0, 1.0, 1.0]
     meta = json.loads((out / HEAD_CONFIG).read_text())
     assert meta["training"]["labels"] == "expected" and meta["training"]["rollout"]["num_contexts"] == 96
+    assert meta["stats"] == ["log_max_prob", "entropy", "log_margin"] == list(head.stats)  # the default
     before = (out / HEAD_WEIGHTS).read_bytes()
 
     res = CliRunner().invoke(cli, args)  # refuses before doing any work
@@ -159,9 +203,15 @@ def test_train_head_cli_end_to_end_and_force(pair, tmp_path, small_defaults):
     assert isinstance(res.exception, DsparkError) and "--force" in str(res.exception)
     assert (out / HEAD_WEIGHTS).read_bytes() == before
 
-    res = CliRunner().invoke(cli, args + ["--force", "--labels", "greedy", "--seed", "1"])
+    res = CliRunner().invoke(cli, args + ["--force", "--labels", "greedy", "--seed", "1", "--stats", "none",
+                                          "--contexts", "40"])
     assert res.exit_code == 0, res.output + repr(res.exception)
-    assert json.loads((out / HEAD_CONFIG).read_text())["training"]["labels"] == "greedy"
+    meta = json.loads((out / HEAD_CONFIG).read_text())
+    assert meta["training"]["labels"] == "greedy" and meta["stats"] == [] and load_head(out).stats == ()
+    assert meta["training"]["rollout"]["num_contexts"] == 40
+
+    res = CliRunner().invoke(cli, args + ["--force", "--stats", "entropy,nope"])
+    assert res.exit_code != 0 and "unknown draft statistic 'nope'" in str(res.exception)
 
 
 def test_default_out_is_the_draft_dir(tmp_path, small_defaults):

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark_trt.models.confidence_head import ConfidenceHead
+from dspark_trt.models.confidence_head import ConfidenceHead, draft_stats
 from dspark_trt.models.decoder import Decoder, PackedBatch
 
 PACKED_INPUTS = ["tokens", "positions", "pack_index", "unpack_index", "query_lens", "past_lens", "slot_ids"]
@@ -97,7 +97,8 @@ class DraftStep(_PackedGraph):
         onehot = (torch.arange(logits.shape[1])[None, :] == token[:, None]).float()
         probs = torch.where(greedy, onehot, soft)
         if self.head is not None:
-            conf = self.head(h_last, tokens[last]).float()
+            stats = draft_stats(logits, self.head.stats) if self.head.stats else None
+            conf = self.head(h_last, tokens[last], stats).float()
         else:
             # No head: the draft's own confidence, max_v q(v) at temperature 1. It never depends on the
             # drafted token itself (unlike q(x_k)), so it is also safe for lossless sampling.

@@ -1,8 +1,15 @@
-"""DSpark-style confidence head: c_k = sigmoid(w . [h_k ; e(x_{k-1})] + b).
+"""DSpark-style confidence head: c_k = sigmoid(w . [h_k ; e(x_{k-1}) ; s(q_k)] + b).
 
-h_k is the draft's final hidden state at the position that predicts x_k and e a low-rank embedding of
-the previous token x_{k-1} (the token fed to the draft at that position). The head outputs the logit;
-the Survival op applies per-position temperatures and the running product S_k = prod_{i<=k} c_i.
+h_k is the draft's final hidden state at the position that predicts x_k, e a low-rank embedding of
+the previous token x_{k-1} (the token fed to the draft at that position), and s(q_k) optional statistics
+of the draft's own distribution q_k = softmax(lm_head(h_k)) at temperature 1 (`DRAFT_STATS`). The
+statistics are an extension of the DSpark formula: a linear function of h_k cannot compute max_v q_k(v)
+(a softmax of a linear map of h_k), yet for a small draft that is the strongest single signal of
+acceptance. None of them depends on the sampled token x_k, so the Survival op stays admissible for
+lossless sampling. A head without stats is exactly the DSpark form.
+
+The head outputs the logit; the Survival op applies per-position temperatures and the running product
+S_k = prod_{i<=k} c_i.
 """
 
 from __future__ import annotations
@@ -17,29 +24,76 @@ from dspark_trt.errors import DsparkError
 
 HEAD_WEIGHTS = "confidence_head.safetensors"
 HEAD_CONFIG = "confidence_head.json"
+# Statistics of q = softmax(draft logits) that a head may use, in this order.
+DRAFT_STATS = ("log_max_prob", "entropy", "log_margin")
+DEFAULT_STATS = DRAFT_STATS
+
+
+def check_stats(names) -> tuple[str, ...]:
+    names = tuple(names or ())
+    unknown = [n for n in names if n not in DRAFT_STATS]
+    if unknown:
+        raise DsparkError(f"unknown draft statistic {unknown[0]!r} (known: {', '.join(DRAFT_STATS)})")
+    if len(set(names)) != len(names):
+        raise DsparkError(f"draft statistics listed twice: {', '.join(names)}")
+    return names
+
+
+def draft_stats(logits: torch.Tensor, names=DRAFT_STATS) -> torch.Tensor:
+    """[..., V] draft logits -> [..., len(names)] float32 statistics of q = softmax(logits):
+    log_max_prob = log max_v q(v); entropy = -sum_v q log q; log_margin = log q_(1) - log q_(2)."""
+    names = check_stats(names)
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    cols = []
+    for name in names:
+        if name == "log_max_prob":
+            cols.append(logq.max(dim=-1).values)
+        elif name == "entropy":
+            cols.append(-(logq.exp() * logq).sum(dim=-1))
+        else:
+            top2 = logq.topk(2, dim=-1).values
+            cols.append(top2[..., 0] - top2[..., 1])
+    if not cols:
+        return logq.new_zeros(*logq.shape[:-1], 0)
+    return torch.stack(cols, dim=-1)
 
 
 class ConfidenceHead(nn.Module):
     def __init__(self, hidden_size: int, vocab_size: int, rank: int = 64, max_draft: int = 7,
-                 temperatures: list[float] | None = None):
+                 temperatures: list[float] | None = None, stats=()):
         super().__init__()
         self.hidden_size, self.vocab_size, self.rank, self.max_draft = hidden_size, vocab_size, rank, max_draft
+        self.stats = check_stats(stats)
         self.token_embed = nn.Embedding(vocab_size, rank)
-        self.proj = nn.Linear(hidden_size + rank, 1)
+        # Input layout: [h (hidden_size) ; s (len(stats)) ; e(x_prev) (rank)].
+        self.proj = nn.Linear(hidden_size + len(self.stats) + rank, 1)
         nn.init.normal_(self.token_embed.weight, std=0.02)
         nn.init.zeros_(self.proj.weight)
         nn.init.zeros_(self.proj.bias)
         self.temperatures = list(temperatures or [1.0] * max_draft)
 
-    def forward(self, hidden: torch.Tensor, prev_token: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H], prev_token [...] -> confidence logit [...] (before temperature)."""
-        feats = torch.cat([hidden, self.token_embed(prev_token).to(hidden.dtype)], dim=-1)
-        return self.proj(feats).squeeze(-1)
+    @property
+    def dense_size(self) -> int:
+        """Width of the dense features [h ; s] (standardised in training, folded into w and b)."""
+        return self.hidden_size + len(self.stats)
+
+    def forward(self, hidden: torch.Tensor, prev_token: torch.Tensor, stats: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., H], prev_token [...], stats [..., len(self.stats)] (`draft_stats` of the draft
+        logits; required iff the head uses any) -> confidence logit [...] (before temperature)."""
+        parts = [hidden]
+        if self.stats:
+            if stats is None or stats.shape[-1] != len(self.stats):
+                raise DsparkError(f"this confidence head needs the draft statistics {', '.join(self.stats)}")
+            parts.append(stats.to(hidden.dtype))
+        parts.append(self.token_embed(prev_token).to(hidden.dtype))
+        return self.proj(torch.cat(parts, dim=-1)).squeeze(-1)
 
     def meta(self) -> dict:
+        formula = ("c_k = sigmoid((w . [h_k ; s(q_k) ; e(x_{k-1})] + b) / T_k)" if self.stats
+                   else "c_k = sigmoid((w . [h_k ; e(x_{k-1})] + b) / T_k)")
         return {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "rank": self.rank,
-                "max_draft": self.max_draft, "temperatures": [float(t) for t in self.temperatures],
-                "formula": "c_k = sigmoid((w . [h_k ; e(x_{k-1})] + b) / T_k)"}
+                "max_draft": self.max_draft, "stats": list(self.stats),
+                "temperatures": [float(t) for t in self.temperatures], "formula": formula}
 
     def save(self, out_dir: str | Path, overwrite: bool = True) -> Path:
         from safetensors.torch import save_file
@@ -67,7 +121,7 @@ def load_head(head_dir: str | Path) -> ConfidenceHead:
         raise DsparkError(f"no {HEAD_WEIGHTS} + {HEAD_CONFIG} in {head_dir}: train one with `dspark-trt train-head`")
     meta = json.loads((d / HEAD_CONFIG).read_text())
     head = ConfidenceHead(meta["hidden_size"], meta["vocab_size"], meta["rank"], meta["max_draft"],
-                          meta.get("temperatures"))
+                          meta.get("temperatures"), meta.get("stats") or ())
     try:
         head.load_state_dict(load_file(str(d / HEAD_WEIGHTS)))
     except RuntimeError as e:

@@ -24,6 +24,7 @@ from dspark_trt.runtime.config import GenerationConfig, parse_spec
 from dspark_trt.runtime.kv_cache import KVCache
 from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
 PREFILL_CHUNK = 256
 OBSERVE_EVERY = 4  # feed one step in this many to the cost table's drift correction (it moves slowly anyway)
@@ -66,7 +67,7 @@ def load_manifest(artifact_dir) -> dict:
 
 class Runtime:
     def __init__(self, artifact_dir, manifest: dict, backend, tokenizer, max_batch: int | None = None,
-                 cost_table=None, max_queue: int | None = None):
+                 cost_table=None, max_queue: int | None = None, recalibrate: bool = True):
         self.artifact_dir = Path(artifact_dir)
         self.manifest = manifest
         self.backend = backend
@@ -90,6 +91,8 @@ class Runtime:
         from dspark_trt.runtime.controller import AdaptiveController
 
         self.controller = AdaptiveController("adaptive")
+        # Online recalibration of survivals against verification outcomes (survival_correction.py).
+        self.survival_correction = SurvivalCorrection(self.max_draft) if recalibrate else None
         self.metrics = Metrics(self.max_draft)
         self.slots: list[Request | None] = [None] * self.slots_total
         self.waiting: deque[Request] = deque()
@@ -107,16 +110,17 @@ class Runtime:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, artifact_dir, backend: str = "ort", max_batch: int | None = None, profile: str = "auto",
-             max_queue: int | None = None) -> "Runtime":
+             max_queue: int | None = None, recalibrate: bool = True) -> "Runtime":
         """Load an exported artifact. profile: "auto" (load cost_profile.json or measure one at start-up),
-        "load" (must exist), or "none" (adaptive then uses a per-token cost estimate)."""
+        "load" (must exist), or "none" (adaptive then uses a per-token cost estimate). recalibrate: correct
+        the draft's survivals online from what verification accepts (survival_correction.py)."""
         from dspark_trt.runtime.backends.base import make_backend
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
         manifest = load_manifest(artifact_dir)
         be = make_backend(backend, artifact_dir, manifest)
         tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
-        rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue)
+        rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate)
         if profile != "none":
             from dspark_trt.runtime.profiling import load_or_profile
 
@@ -380,6 +384,11 @@ class Runtime:
 
         accepted, next_tok = outs["accepted"], outs["next_token"]
         nd = len(decode)
+        if self.survival_correction is not None:
+            seen = [i for i, r in enumerate(decode) if vl[i] > 0]
+            if seen:
+                self.survival_correction.observe(_pad_rows([drafts[decode[i].id][2] for i in seen], self.max_draft),
+                                                 vl[seen], accepted[seen])
         self.metrics.log_step({
             "decode_requests": nd, "prefill_tokens": int(sum(n for _, n in chunked)),
             "verify_lens": vl[:nd].tolist(), "accepted": [int(min(a, L)) for a, L in zip(accepted[:nd], vl[:nd])],
@@ -551,8 +560,9 @@ class Runtime:
             surv[i, :len(s)] = s
             caps[i] = len(s)
         t = time.perf_counter_ns()
+        live = self.survival_correction.apply(surv) if self.survival_correction is not None else surv
         others = len(decode) - len(adaptive) + sum(lengths.values())
-        plan = self.controller.plan(surv, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
+        plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
                                     _StepCost(self._verify_table(others), draft_ms), len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
         for r, L in zip(adaptive, plan):
@@ -607,6 +617,13 @@ class Runtime:
                 if r is not None and r.finished:
                     self.slots[i] = None
                     self.metrics.requests_finished += 1
+
+
+def _pad_rows(rows: list, width: int) -> np.ndarray:
+    out = np.zeros((len(rows), width), dtype=np.float64)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row[:width]
+    return out
 
 
 class _StepCost:

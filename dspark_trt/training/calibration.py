@@ -201,7 +201,7 @@ def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_
                            context_len=context_len, batch_size=batch_size, seed=seed, progress=progress,
                            desc="rollout (calibrate)", models=(target, draft))
     t1 = time.perf_counter()
-    z = head_logits(head, ro.hidden, ro.prev_token)
+    z = head_logits(head, ro.hidden, ro.prev_token, ro.stats_for(head.stats))
     result = calibrate_arrays(z, ro.survival(labels), ro.fallback_conf, ro.survival_greedy, n_bins, strategy,
                               labels=labels)
     temps = list(result.temperatures) + [float(t) for t in head.temperatures[max_draft:]]

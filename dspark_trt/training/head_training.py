@@ -1,9 +1,11 @@
 """`dspark-trt train-head`: fit the confidence head on real acceptance labels.
 
 1. Roll the frozen draft out on the training texts (`rollout.py`): per context and draft position k,
-   the draft's final hidden state h_k, the previous token x_{k-1} and the label.
-2. Fit c_k = sigmoid(w . [h_k ; e(x_{k-1})] + b) by weighted binary cross-entropy on those features
-   (precomputed once; the head is tiny, so thousands of Adam steps take seconds).
+   the draft's final hidden state h_k, the previous token x_{k-1}, statistics s(q_k) of the draft's
+   distribution and the label.
+2. Fit c_k = sigmoid(w . [h_k ; s(q_k) ; e(x_{k-1})] + b) by weighted binary cross-entropy on those
+   features (precomputed once; the head is tiny, so thousands of Adam steps take seconds). With
+   stats=() the head is the plain DSpark form on [h_k ; e(x_{k-1})].
 
 Labels: "expected" (default) is the soft 1 - TV(p_target, q_draft) = sum_v min(p, q), the acceptance
 probability under speculative sampling (DSpark); "greedy" is exact match of the greedy draft token with
@@ -14,9 +16,10 @@ position's label is weighted by the probability that its prefix survived (1 for 
 1[all earlier matched], for expected labels prod_{i<k} (1 - TV_i)). Training on unconditional labels would
 make S_k = prod c_i the product of marginals, which underestimates survival (acceptances are correlated).
 
-Capacity: the exported formula is linear in [h; e(x_prev)], which we keep exactly. To make the most of it
-the hidden features are standardised during training (per-dimension mean/std of the training rows), and
-the standardisation is folded back into w and b when saving, so the saved head is the plain formula.
+Capacity: the exported formula is linear in its features, which we keep exactly. To make the most of it
+the dense features [h ; s] are standardised during training (per-dimension mean/std of the training
+rows), and the standardisation is folded back into w and b when saving, so the saved head is the plain
+formula.
 The bias starts at the logit of the mean label; 10% of the contexts are held out and the weights with
 the best held-out loss are kept (early stopping: the e(x_prev) table has vocab x rank parameters).
 """
@@ -31,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.models.confidence_head import HEAD_CONFIG, HEAD_WEIGHTS, ConfidenceHead
+from dspark_trt.models.confidence_head import DEFAULT_STATS, HEAD_CONFIG, HEAD_WEIGHTS, ConfidenceHead, check_stats
 from dspark_trt.training import metrics
 
 DEFAULT_CONTEXTS = 4096  # rolled-out contexts; x max_draft labelled positions
@@ -57,16 +60,21 @@ def fit_head(hidden: np.ndarray, prev_token: np.ndarray, label: np.ndarray, weig
              rank: int = 64, max_draft: int | None = None, steps: int = 2000, seed: int = 0, lr: float = 3e-3,
              batch_size: int = 1024, weight_decay: float = 1e-2, val_fraction: float = 0.1,
              greedy_match: np.ndarray | None = None, fallback_conf: np.ndarray | None = None,
-             progress: bool = True) -> tuple[ConfidenceHead, FitStats]:
+             stats: np.ndarray | None = None, stat_names=(), progress: bool = True) -> tuple[ConfidenceHead, FitStats]:
     """Fit a ConfidenceHead on features shaped [N, K, H] / [N, K] (rows split into train/val by context).
 
     label: targets in [0, 1]; weight: per-row loss weights (rows with weight 0 are dropped).
+    stats: [N, K, len(stat_names)] draft statistics (`draft_stats`), when the head uses any.
     greedy_match / fallback_conf (optional, [N, K]): only for the reported held-out AUROCs.
     """
     import torch
     from tqdm import tqdm
 
+    stat_names = check_stats(stat_names)
+    if stat_names and (stats is None or stats.shape[-1] != len(stat_names)):
+        raise DsparkError(f"fit_head needs the draft statistics {', '.join(stat_names)}")
     n, k, h = hidden.shape
+    dense = np.concatenate([hidden, stats.astype(hidden.dtype)], axis=-1) if stat_names else hidden
     max_draft = max_draft or k
     rng = np.random.default_rng(seed)
     n_val = int(round(n * val_fraction)) if n >= 10 else 0
@@ -75,7 +83,7 @@ def fit_head(hidden: np.ndarray, prev_token: np.ndarray, label: np.ndarray, weig
 
     def rows(ctx):
         sel = (weight[ctx] > 0)
-        return (hidden[ctx][sel], prev_token[ctx][sel], label[ctx][sel], weight[ctx][sel])
+        return (dense[ctx][sel], prev_token[ctx][sel], label[ctx][sel], weight[ctx][sel])
 
     th, tp, ty, tw = rows(train_ctx)
     if ty.size == 0:
@@ -91,14 +99,14 @@ def fit_head(hidden: np.ndarray, prev_token: np.ndarray, label: np.ndarray, weig
     Xh, Xp, Y, W = tensors(th, tp, ty, tw)
     val = tensors(*rows(val_ctx)) if n_val else None
 
-    def loss_of(model, xh, xp, y, w):
-        z = model(xh, xp)
+    def loss_of(model, xd, xp, y, w):
+        z = model(xd[..., :h], xp, xd[..., h:] if stat_names else None)
         return (torch.nn.functional.binary_cross_entropy_with_logits(z, y, reduction="none") * w).sum() / w.sum()
 
     p0 = float(np.clip((ty * tw).sum() / tw.sum(), 1e-4, 1 - 1e-4))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        work = ConfidenceHead(h, vocab_size, rank, max_draft)
+        work = ConfidenceHead(h, vocab_size, rank, max_draft, stats=stat_names)
     with torch.no_grad():
         work.proj.bias.fill_(math.log(p0 / (1 - p0)))
     opt = _AdamW(list(work.parameters()), weight_decay=weight_decay)
@@ -139,7 +147,7 @@ def fit_head(hidden: np.ndarray, prev_token: np.ndarray, label: np.ndarray, weig
     if n_val and greedy_match is not None:
         gm = greedy_match[val_ctx]
         reach = np.concatenate([np.ones_like(gm[:, :1]), np.cumprod(gm, 1)[:, :-1]], 1) > 0
-        z = head_logits(head, hidden[val_ctx], prev_token[val_ctx])
+        z = head_logits(head, hidden[val_ctx], prev_token[val_ctx], stats[val_ctx] if stat_names else None)
         auc = metrics.auroc(z[reach], gm[reach])
         if fallback_conf is not None:
             auc_fb = metrics.auroc(fallback_conf[val_ctx][reach], gm[reach])
@@ -148,9 +156,9 @@ def fit_head(hidden: np.ndarray, prev_token: np.ndarray, label: np.ndarray, weig
     if val is not None and val[2].numel():
         yv, wv = val[2].numpy(), val[3].numpy()
         val_init = metrics.log_loss(np.full_like(yv, p0), yv, wv)
-    stats = FitStats(int(Y.numel()), int(val[2].numel()) if val is not None else 0, int(steps), int(best[1]),
+    fit = FitStats(int(Y.numel()), int(val[2].numel()) if val is not None else 0, int(steps), int(best[1]),
                      train_loss, float(vloss), float(val_init), float(auc), float(auc_fb))
-    return head, stats
+    return head, fit
 
 
 class _AdamW:
@@ -186,11 +194,11 @@ class _AdamW:
 
 
 def fold_standardization(work: ConfidenceHead, mu: np.ndarray, sigma: np.ndarray) -> ConfidenceHead:
-    """A head on raw hidden states equal to `work` applied to (h - mu) / sigma."""
+    """A head on raw dense features equal to `work` applied to ([h ; s] - mu) / sigma."""
     import torch
 
-    head = ConfidenceHead(work.hidden_size, work.vocab_size, work.rank, work.max_draft, work.temperatures)
-    hs = work.hidden_size
+    head = ConfidenceHead(work.hidden_size, work.vocab_size, work.rank, work.max_draft, work.temperatures, work.stats)
+    hs = work.dense_size
     w = work.proj.weight.detach().double()[0]
     b = work.proj.bias.detach().double()[0]
     s = torch.from_numpy(sigma).double()
@@ -204,24 +212,30 @@ def fold_standardization(work: ConfidenceHead, mu: np.ndarray, sigma: np.ndarray
     return head.eval()
 
 
-def head_logits(head: ConfidenceHead, hidden: np.ndarray, prev_token: np.ndarray, chunk: int = 65536) -> np.ndarray:
-    """Head logits (before temperature) for features [..., H] / [...] -> [...] float64."""
+def head_logits(head: ConfidenceHead, hidden: np.ndarray, prev_token: np.ndarray, stats: np.ndarray | None = None,
+                chunk: int = 65536) -> np.ndarray:
+    """Head logits (before temperature) for features [..., H] / [...] / [..., len(head.stats)] -> [...] float64."""
     import torch
 
+    if head.stats and (stats is None or stats.shape[-1] != len(head.stats)):
+        raise DsparkError(f"this confidence head needs the draft statistics {', '.join(head.stats)}")
     shape = prev_token.shape
     hh = hidden.reshape(-1, hidden.shape[-1])
+    ss = stats.reshape(-1, stats.shape[-1]) if head.stats else None
     pp = prev_token.reshape(-1)
+    f32 = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32))  # noqa: E731
     out = []
     with torch.no_grad():
         for i in range(0, pp.size, chunk):
-            out.append(head(torch.from_numpy(np.ascontiguousarray(hh[i:i + chunk], dtype=np.float32)),
-                            torch.from_numpy(np.ascontiguousarray(pp[i:i + chunk], dtype=np.int64))).double().numpy())
+            out.append(head(f32(hh[i:i + chunk]), torch.from_numpy(np.ascontiguousarray(pp[i:i + chunk], dtype=np.int64)),
+                            f32(ss[i:i + chunk]) if ss is not None else None).double().numpy())
     return (np.concatenate(out) if out else np.zeros(0)).reshape(shape)
 
 
 def train_head(target_dir, draft_dir, data, out_dir=None, max_draft: int = 7, steps: int = 2000, rank: int = 64,
                labels: str = "expected", seed: int = 0, overwrite: bool = False, *, num_contexts: int | None = None,
-               context_len: int | None = None, batch_size: int = 32, lr: float = 3e-3, progress: bool = True) -> Path:
+               context_len: int | None = None, batch_size: int = 32, lr: float = 3e-3, stats=DEFAULT_STATS,
+               progress: bool = True) -> Path:
     """Train the confidence head of the draft; writes confidence_head.safetensors + .json; returns the weights path.
 
     num_contexts x max_draft labelled positions are rolled out from `data` (see rollout.py).
@@ -236,6 +250,7 @@ def train_head(target_dir, draft_dir, data, out_dir=None, max_draft: int = 7, st
 
     if labels not in ("expected", "greedy"):
         raise DsparkError(f"unknown --labels {labels!r} (use 'expected' or 'greedy')")
+    stats = check_stats(stats)
     out = Path(out_dir) if out_dir is not None else Path(draft_dir)
     if (out / HEAD_WEIGHTS).exists() and not overwrite:
         raise DsparkError(f"{out / HEAD_WEIGHTS} exists; pass --force to overwrite it")
@@ -246,16 +261,17 @@ def train_head(target_dir, draft_dir, data, out_dir=None, max_draft: int = 7, st
                            context_len=context_len, batch_size=batch_size, seed=seed, progress=progress,
                            desc="rollout (train)", models=(target, draft))
     t1 = time.perf_counter()
-    head, stats = fit_head(ro.hidden, ro.prev_token, ro.labels(labels), ro.reach_weight(labels),
-                           vocab_size=draft.config.vocab_size, rank=rank, max_draft=max_draft, steps=steps, seed=seed,
-                           lr=lr, greedy_match=ro.label_greedy, fallback_conf=ro.fallback_conf, progress=progress)
+    head, fit_stats = fit_head(ro.hidden, ro.prev_token, ro.labels(labels), ro.reach_weight(labels),
+                               vocab_size=draft.config.vocab_size, rank=rank, max_draft=max_draft, steps=steps,
+                               seed=seed, lr=lr, greedy_match=ro.label_greedy, fallback_conf=ro.fallback_conf,
+                               stats=ro.stats_for(stats), stat_names=stats, progress=progress)
     t2 = time.perf_counter()
     path = head.save(out, overwrite=overwrite)
     meta_path = out / HEAD_CONFIG
     meta = json.loads(meta_path.read_text())
     meta["training"] = {
-        "labels": labels, "conditional": True, "data": str(data), "seed": seed, "rank": rank,
-        "rollout": ro.info, "fit": stats.to_dict(),
+        "labels": labels, "conditional": True, "data": str(data), "seed": seed, "rank": rank, "stats": list(stats),
+        "rollout": ro.info, "fit": fit_stats.to_dict(),
         "acceptance_greedy": [float(v) for v in ro.label_greedy.mean(0)],
         "acceptance_expected": [float(v) for v in ro.label_expected.mean(0)],
         "tau_greedy": ro.tau("greedy"), "seconds": {"rollout": round(t1 - t0, 2), "fit": round(t2 - t1, 2)},

@@ -12,6 +12,7 @@ forward over context + drafts gives the target distribution p_k at every draft p
 - label_expected      sum_v min(p_k(v), q_k(v)) = 1 - TV(p_k, q_k) (q: draft softmax at temperature 1);
 - label_greedy        1[argmax p_k == x_k];
 - fallback_conf       max_v q_k(v), the confidence the runtime uses when there is no head;
+- draft_stats         `confidence_head.draft_stats` of q_k, all of DRAFT_STATS (a head picks its columns);
 - survival_greedy     prod_{i<=k} label_greedy (the whole prefix 1..k survives greedy verification);
 - survival_expected   prod_{i<=k} label_expected.
 
@@ -43,6 +44,7 @@ class Rollout:
     label_expected: np.ndarray  # [N, K] float32
     label_greedy: np.ndarray  # [N, K] float32 (0/1)
     fallback_conf: np.ndarray  # [N, K] float32
+    draft_stats: np.ndarray  # [N, K, len(DRAFT_STATS)] float32
     context_len: np.ndarray  # [N] int64, the context length used for each row
     context_end: np.ndarray  # [N] int64: row i's context is stream[context_end - context_len : context_end]
     info: dict = field(default_factory=dict)
@@ -62,6 +64,12 @@ class Rollout:
     @property
     def survival_expected(self) -> np.ndarray:
         return np.cumprod(self.label_expected, axis=1)
+
+    def stats_for(self, names) -> np.ndarray:
+        """The draft-statistic columns a head uses, [N, K, len(names)]."""
+        from dspark_trt.models.confidence_head import DRAFT_STATS, check_stats
+
+        return self.draft_stats[..., [DRAFT_STATS.index(n) for n in check_stats(names)]]
 
     def labels(self, kind: str) -> np.ndarray:
         return {"expected": self.label_expected, "greedy": self.label_greedy}[_check_kind(kind)]
@@ -199,6 +207,8 @@ def rollout(target, draft, stream: np.ndarray, num_contexts: int = 2048, max_dra
     import torch
     from tqdm import tqdm
 
+    from dspark_trt.models.confidence_head import draft_stats
+
     stream = np.asarray(stream, dtype=np.int64)
     vocab = min(draft.config.vocab_size, target.config.vocab_size)
     if stream.size and (stream.max() >= vocab or stream.min() < 0):
@@ -211,7 +221,7 @@ def rollout(target, draft, stream: np.ndarray, num_contexts: int = 2048, max_dra
     c_lo = max(1, min(c_hi, int(min_context_len) if min_context_len else max(1, c_hi // 4)))
     rng = np.random.default_rng(seed)
 
-    hidden, prev, drafted, lab_e, lab_g, fb, ctx_lens, ctx_ends = [], [], [], [], [], [], [], []
+    hidden, prev, drafted, lab_e, lab_g, fb, dstats, ctx_lens, ctx_ends = [], [], [], [], [], [], [], [], []
     n_batches = (num_contexts + batch_size - 1) // batch_size
     bar = tqdm(range(n_batches), desc=desc, unit="batch", disable=not progress, leave=False, mininterval=0.5)
     with torch.inference_mode():
@@ -233,6 +243,7 @@ def rollout(target, draft, stream: np.ndarray, num_contexts: int = 2048, max_dra
             lab_e.append(torch.minimum(p, q).sum(-1).clamp(0.0, 1.0).numpy())
             lab_g.append((p.argmax(-1) == x).float().numpy())
             fb.append(q.max(-1).values.numpy())
+            dstats.append(draft_stats(d_logits_k).numpy())
             ctx_lens.append(np.full(bsz, c, dtype=np.int64))
             ctx_ends.append(ends.astype(np.int64))
             bar.set_postfix(acc1=f"{np.concatenate(lab_g)[:, 0].mean():.2f}", refresh=False)
@@ -244,6 +255,7 @@ def rollout(target, draft, stream: np.ndarray, num_contexts: int = 2048, max_dra
         label_expected=np.concatenate(lab_e).astype(np.float32),
         label_greedy=np.concatenate(lab_g).astype(np.float32),
         fallback_conf=np.concatenate(fb).astype(np.float32),
+        draft_stats=np.concatenate(dstats).astype(np.float32),
         context_len=np.concatenate(ctx_lens),
         context_end=np.concatenate(ctx_ends),
         info={"num_contexts": int(num_contexts), "max_draft": k_max, "context_len": [int(c_lo), int(c_hi)],

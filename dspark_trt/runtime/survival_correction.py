@@ -1,0 +1,125 @@
+"""Online recalibration of the draft's survivals against what verification actually accepts.
+
+The head is calibrated offline on held-out text, but a deployment's traffic differs: text the target
+generates itself is more predictable than the calibration corpus (on the tiny pair, greedy acceptance
+of generated continuations is well above the held-out figure), and the fallback confidence is not
+calibrated at all. Survivals that are off by a constant factor make the budget solver verify too
+little (or too much) at every load, which no cost model can repair.
+
+Every verify step reveals the truth for the positions it checked: position k of a request was
+*reached* if drafts 1..k-1 were accepted, and then accepted or not. So per draft position k we keep a
+logit shift d_k and correct the conditional confidence c_k = S_k / S_{k-1} to
+
+    c'_k = sigmoid(logit(c_k) + d_k),    S'_k = prod_{i<=k} c'_i,
+
+fitting d_k by online logistic regression on the bias alone: after each step,
+d_k += rate * sum over reached positions (accepted - c'_k) / (count + damping). This is the stochastic
+gradient of the log-likelihood of the observed acceptances, so d_k settles where the corrected
+confidence matches the observed acceptance rate of the verified population. Selecting which positions
+get verified by their confidence does not bias it: a calibrated c satisfies E[accept | c] = c for any
+selection made on c alone; the shift only moves calibration toward that. Positions never verified keep
+the shift of the deepest verified one (a request's acceptances are correlated; an unverified deep
+position is better guessed by its neighbour's bias than by none).
+
+Lossless sampling: the correction depends only on earlier steps' outcomes, and per position it is an
+increasing function of c_k, so S' stays non-increasing along a row and a function of positions <= k:
+the solver's stopping-rule argument holds unchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["SurvivalCorrection"]
+
+_EPS = 1e-7
+_TINY = 1e-30  # below this a survival carries no usable ratio
+
+
+def _logit(p: np.ndarray) -> np.ndarray:
+    p = np.clip(p, _EPS, 1.0 - _EPS)
+    return np.log(p) - np.log1p(-p)
+
+
+def _sigmoid(z: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * z))
+
+
+def conditional(survival: np.ndarray) -> np.ndarray:
+    """(R, K) survivals -> conditional confidences c_k = S_k / S_{k-1} (S_0 = 1), in [0, 1]."""
+    s = np.asarray(survival, dtype=np.float64)
+    prev = np.concatenate([np.ones_like(s[:, :1]), s[:, :-1]], axis=1)
+    return np.clip(np.divide(s, prev, out=np.zeros_like(s), where=prev > _TINY), 0.0, 1.0)
+
+
+class SurvivalCorrection:
+    """Per-position logit shifts learned from verification outcomes.
+
+    rate: step size of the bias update; damping: pseudo-count that keeps a step with few reached
+    positions from moving a shift much; bound: |d_k| limit (a factor of e^bound on the odds);
+    warmup: observations of a position before its shift is applied (until then it is learned only).
+    """
+
+    def __init__(self, max_draft: int, rate: float = 0.5, damping: float = 8.0, bound: float = 3.0,
+                 warmup: int = 16):
+        if max_draft < 1:
+            raise ValueError(f"max_draft must be >= 1; got {max_draft}")
+        if not rate > 0 or not damping >= 0 or not bound > 0:
+            raise ValueError("rate must be > 0, damping >= 0 and bound > 0")
+        self.max_draft, self.rate, self.damping, self.bound, self.warmup = int(max_draft), rate, damping, bound, warmup
+        self.reset()
+
+    def reset(self) -> None:
+        self.shift = np.zeros(self.max_draft)
+        self.seen = np.zeros(self.max_draft, dtype=np.int64)  # reached positions observed
+        self.accepted = np.zeros(self.max_draft, dtype=np.int64)
+
+    def _active_shift(self, k: int) -> np.ndarray:
+        """Shifts for positions 1..k: learned ones once warm, else that of the deepest warm position."""
+        warm = self.seen >= self.warmup
+        out = np.where(warm, self.shift, 0.0)
+        if warm.any():
+            deepest = int(np.flatnonzero(warm)[-1])
+            out[deepest + 1:] = self.shift[deepest]
+        if k > self.max_draft:
+            out = np.concatenate([out, np.full(k - self.max_draft, out[-1])])
+        return out[:k]
+
+    def apply(self, survival) -> np.ndarray:
+        """(R, K) raw survivals -> corrected survivals (float64, non-increasing along rows)."""
+        s = np.asarray(survival, dtype=np.float64)
+        if s.size == 0 or not (self.seen >= self.warmup).any():
+            return s.copy()
+        c = conditional(s)
+        c2 = _sigmoid(_logit(c) + self._active_shift(s.shape[1])[None, :])
+        c2 = np.where(c > 0.0, c2, 0.0)  # a zero confidence (or an underflowed prefix) stays zero
+        return np.cumprod(c2, axis=1)
+
+    def observe(self, survival, verified, accepted) -> int:
+        """Learn from one verify step: survival (R, K) raw rows the drafts were scored with, verified (R,)
+        drafts each request verified, accepted (R,) how many of them were accepted. Returns the number
+        of reached positions used."""
+        s = np.asarray(survival, dtype=np.float64)
+        if s.ndim != 2 or s.shape[0] == 0:
+            return 0
+        L = np.minimum(np.asarray(verified, dtype=np.int64), s.shape[1])
+        a = np.minimum(np.asarray(accepted, dtype=np.int64), L)
+        k = np.arange(min(s.shape[1], self.max_draft))[None, :]
+        reached = k < np.minimum(a + 1, L)[:, None]  # position k+1 reached iff its prefix was accepted
+        if not reached.any():
+            return 0
+        outcome = (k < a[:, None]) & reached
+        c = conditional(s[:, :k.shape[1]])
+        pred = _sigmoid(_logit(c) + self.shift[None, :k.shape[1]])
+        n = reached.sum(axis=0)
+        grad = np.where(reached, outcome - pred, 0.0).sum(axis=0)
+        self.shift[:n.size] = np.clip(self.shift[:n.size] + self.rate * grad / (n + self.damping),
+                                      -self.bound, self.bound)
+        self.seen[:n.size] += n
+        self.accepted[:n.size] += outcome.sum(axis=0)
+        return int(n.sum())
+
+    def report(self) -> dict:
+        seen = np.maximum(self.seen, 1)
+        return {"shift": [round(float(x), 4) for x in self.shift], "reached": self.seen.tolist(),
+                "acceptance": [round(float(x), 4) for x in self.accepted / seen]}
