@@ -140,3 +140,23 @@ def test_runtime_imports_without_torch():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr
+
+
+def test_online_recalibration_rescues_an_underconfident_draft(tiny_artifact):
+    """The test pair's draft is a near copy of the target, but its fallback confidence (max prob of a
+    random model over 300 tokens) is tiny: uncorrected, adaptive never verifies a draft. Exploration plus
+    the online correction learn that position 1 is usually accepted; the output stays the same."""
+    prompts = ["def fib(n):", "import os\n", "class Foo:"] * 2
+    cfg = GenerationConfig(max_new_tokens=160, spec="adaptive")
+    out = {}
+    for recal in (False, True):
+        rt = Runtime.load(tiny_artifact, profile="none", recalibrate=recal)
+        try:
+            out[recal] = rt.generate(prompts, cfg)
+            corr = rt.survival_correction
+        finally:
+            rt.close()
+    assert all(o.stats["tau"] == 1.0 for o in out[False])
+    assert corr.seen[0] > 50 and corr.shift[0] > 2.0
+    assert np.mean([o.stats["tau"] for o in out[True]]) > 1.15
+    assert [o.token_ids for o in out[True]] == [o.token_ids for o in out[False]]

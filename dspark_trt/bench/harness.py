@@ -265,8 +265,10 @@ def _measure(rt, prompts, mode, concurrency, n_requests, max_new_tokens, tempera
     rt.metrics.reset()
     reqs, wall = _closed_loop(rt, prompts, mode, concurrency, n_requests, max_new_tokens, temperature, seed, bar)
     _wait_idle(rt)
+    corr = getattr(rt, "survival_correction", None)
     return {"requests": reqs, "wall_s": wall, "snapshot": rt.metrics.snapshot(),
-            "step_log": [dict(r) for r in rt.metrics.step_log]}
+            "step_log": [dict(r) for r in rt.metrics.step_log],
+            "survival_correction": corr.report() if corr is not None else None}
 
 
 def _warmup(rt, prompts, modes, concurrency, temperature, seed) -> None:
@@ -644,6 +646,8 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
                                max_draft, cost, speculative=mode != "off"))
         row["round_output_tok_s"] = [sum(r["generated_tokens"] for r in run["requests"]) / run["wall_s"]
                                      for run in runs]
+        # The runtime's online survival recalibration after this cell (learned from every mode so far).
+        row["survival_correction"] = runs[-1].get("survival_correction")
         row["greedy_match_off"] = None
         if temperature == 0 and off is not None:
             same = total = 0
@@ -669,6 +673,8 @@ def _run_peers(manifest, prompts, max_new_tokens, temperature, seed, off_c1, bar
         row.update(summarize_requests(p["requests"], p["wall_s"]))
         if "assistant" in p:
             row["assistant"] = p["assistant"]
+        # The runtime's online survival recalibration after this cell (learned from every mode so far).
+        row["survival_correction"] = runs[-1].get("survival_correction")
         row["greedy_match_off"] = None
         if temperature == 0 and off_c1:
             same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(p["requests"], off_c1))

@@ -30,6 +30,9 @@ PREFILL_CHUNK = 256
 OBSERVE_EVERY = 4  # feed one step in this many to the cost table's drift correction (it moves slowly anyway)
 PLAN_EVERY = 8  # re-plan the adaptive draft length this often per batch shape (the profile moves slowly)
 PROBE_EVERY = 8  # when drafting does not pay, still draft one token every this many steps
+PLAN_HEADROOM = 1  # draft steps planned beyond the prior's optimum, so live survivals can ask for more
+EXPLORE_EVERY = 8  # when the solver admits no draft this many steps running, verify one per request anyway
+STOP_FACTOR = 0.5  # stop drafting a request once its survival is below this x the weakest slot last admitted
 
 
 @dataclass
@@ -106,6 +109,8 @@ class Runtime:
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
         self._plan_cache: dict = {}
+        self.plan_headroom, self.stop_factor = PLAN_HEADROOM, STOP_FACTOR
+        self._unverified_steps = 0
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -460,7 +465,7 @@ class Runtime:
             self._since_probe = 0
             return 1
         self._since_probe = 0
-        return min(k, best + 1)
+        return min(k, best + self.plan_headroom)
 
     def _draft_cap(self, r: Request) -> int:
         k = r.mode.k if r.mode.kind == "fixed" else min(self.max_draft, self.adaptive_steps)
@@ -565,13 +570,22 @@ class Runtime:
         plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
                                     _StepCost(self._verify_table(others), draft_ms), len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
+        if self.survival_correction is not None:
+            # Exploration: survivals that are too pessimistic admit nothing, and then verification never
+            # shows that they are wrong. Now and then verify the first draft of every request regardless
+            # (a decision independent of the drafts, so sampling stays lossless).
+            self._unverified_steps = self._unverified_steps + 1 if not plan.any() else 0
+            if self._unverified_steps >= EXPLORE_EVERY:
+                self._unverified_steps = 0
+                plan = np.minimum(caps, 1)
         for r, L in zip(adaptive, plan):
             lengths[r.id] = int(L)
         # Drafting further than the solver admits is wasted work: stop drafting next step once a
         # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = surv[np.arange(surv.shape[1])[None, :] < plan[:, None]]
-        self.stop_threshold = 0.5 * float(admitted.min()) if admitted.size else float(surv[:, 0].max()) + 1e-6
+        self.stop_threshold = (self.stop_factor * float(admitted.min()) if admitted.size
+                               else float(surv[:, 0].max()) + 1e-6)
         return lengths, solver_us
 
     def _verify_table(self, extra_tokens: int) -> np.ndarray:

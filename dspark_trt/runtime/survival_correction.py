@@ -12,10 +12,13 @@ logit shift d_k and correct the conditional confidence c_k = S_k / S_{k-1} to
 
     c'_k = sigmoid(logit(c_k) + d_k),    S'_k = prod_{i<=k} c'_i,
 
-fitting d_k by online logistic regression on the bias alone: after each step,
-d_k += rate * sum over reached positions (accepted - c'_k) / (count + damping). This is the stochastic
-gradient of the log-likelihood of the observed acceptances, so d_k settles where the corrected
-confidence matches the observed acceptance rate of the verified population. Selecting which positions
+fitting d_k by online logistic regression on the bias alone (recursive Newton with forgetting): after
+each step, d_k += sum (accepted - c'_k) / (H_k + damping) over the reached positions, clipped to
++-max_step, where H_k is an exponentially forgetting sum of the curvature c'_k (1 - c'_k) of the
+positions seen so far. It settles where the corrected confidence matches the observed acceptance rate
+of the verified population. Early on (small H) it moves fast, so a badly underconfident head escapes
+quickly; once H has built up (a window of ~1/forget steps) each step moves it little, which keeps the
+noise of a few 0/1 outcomes out of the shift. Selecting which positions
 get verified by their confidence does not bias it: a calibrated c satisfies E[accept | c] = c for any
 selection made on c alone; the shift only moves calibration toward that. Positions never verified keep
 the shift of the deepest verified one (a request's acceptances are correlated; an unverified deep
@@ -55,22 +58,25 @@ def conditional(survival: np.ndarray) -> np.ndarray:
 class SurvivalCorrection:
     """Per-position logit shifts learned from verification outcomes.
 
-    rate: step size of the bias update; damping: pseudo-count that keeps a step with few reached
-    positions from moving a shift much; bound: |d_k| limit (a factor of e^bound on the odds);
-    warmup: observations of a position before its shift is applied (until then it is learned only).
+    damping: pseudo-curvature added to H (keeps the first steps finite); forget: fraction of H dropped
+    per step (memory of ~1/forget steps, so the shift keeps tracking a changing workload); max_step:
+    largest change of a shift per step; bound: |d_k| limit (a factor of e^bound on the odds); warmup:
+    observations of a position before its shift is applied (until then it is learned only).
     """
 
-    def __init__(self, max_draft: int, rate: float = 0.5, damping: float = 8.0, bound: float = 3.0,
-                 warmup: int = 16):
+    def __init__(self, max_draft: int, damping: float = 2.0, forget: float = 0.02, max_step: float = 0.5,
+                 bound: float = 5.0, warmup: int = 8):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1; got {max_draft}")
-        if not rate > 0 or not damping >= 0 or not bound > 0:
-            raise ValueError("rate must be > 0, damping >= 0 and bound > 0")
-        self.max_draft, self.rate, self.damping, self.bound, self.warmup = int(max_draft), rate, damping, bound, warmup
+        if not damping > 0 or not 0 < forget <= 1 or not max_step > 0 or not bound > 0:
+            raise ValueError("damping, max_step and bound must be > 0 and forget in (0, 1]")
+        self.max_draft, self.damping, self.forget, self.max_step, self.bound, self.warmup = (
+            int(max_draft), float(damping), float(forget), float(max_step), float(bound), int(warmup))
         self.reset()
 
     def reset(self) -> None:
         self.shift = np.zeros(self.max_draft)
+        self.curvature = np.zeros(self.max_draft)  # H_k
         self.seen = np.zeros(self.max_draft, dtype=np.int64)  # reached positions observed
         self.accepted = np.zeros(self.max_draft, dtype=np.int64)
 
@@ -113,8 +119,11 @@ class SurvivalCorrection:
         pred = _sigmoid(_logit(c) + self.shift[None, :k.shape[1]])
         n = reached.sum(axis=0)
         grad = np.where(reached, outcome - pred, 0.0).sum(axis=0)
-        self.shift[:n.size] = np.clip(self.shift[:n.size] + self.rate * grad / (n + self.damping),
-                                      -self.bound, self.bound)
+        curv = np.where(reached, pred * (1.0 - pred), 0.0).sum(axis=0)
+        m = n.size
+        self.curvature[:m] = (1.0 - self.forget) * self.curvature[:m] + curv
+        step = np.clip(grad / (self.curvature[:m] + self.damping), -self.max_step, self.max_step)
+        self.shift[:n.size] = np.clip(self.shift[:n.size] + step, -self.bound, self.bound)
         self.seen[:n.size] += n
         self.accepted[:n.size] += outcome.sum(axis=0)
         return int(n.sum())
