@@ -160,3 +160,30 @@ def test_online_recalibration_rescues_an_underconfident_draft(tiny_artifact):
     assert corr.seen[0] > 50 and corr.shift[0] > 2.0
     assert np.mean([o.stats["tau"] for o in out[True]]) > 1.15
     assert [o.token_ids for o in out[True]] == [o.token_ids for o in out[False]]
+
+
+def test_when_drafting_does_not_pay_only_a_few_requests_probe_now_and_then(tiny_artifact):
+    from dspark_trt.runtime import runtime as runtime_mod
+    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.request import Request
+
+    rt = Runtime.load(tiny_artifact, profile="none")
+    try:
+        # Draft calls cost 1000x a verified token: no draft depth pays.
+        rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.full(9, 1e4) * (np.arange(9) > 0))
+        plan = [rt._plan_draft_steps(8, 8) for _ in range(4 * runtime_mod.PROBE_EVERY)]
+        assert sum(plan) == 4 and set(plan) == {0, 1}  # one probe step in PROBE_EVERY, never cached
+        assert plan[runtime_mod.PROBE_EVERY - 1] == 1 and plan[runtime_mod.PROBE_EVERY] == 0
+        from dspark_trt.runtime.config import parse_spec
+
+        reqs = [Request(i, [1, 2, 3], GenerationConfig(spec="adaptive"), parse_spec("adaptive", 4), 4)
+                for i in range(8)]
+        fixed = Request(99, [1], GenerationConfig(spec="fixed:2"), parse_spec("fixed:2", 4), 4)
+        seen = set()
+        for _ in range(2):
+            chosen = rt._probe_subset(reqs + [fixed])
+            assert fixed in chosen and len(chosen) == runtime_mod.PROBE_REQUESTS + 1
+            seen |= {r.id for r in chosen if r is not fixed}
+        assert seen == set(range(8))  # requests take turns
+    finally:
+        rt.close()

@@ -29,7 +29,8 @@ from dspark_trt.runtime.survival_correction import SurvivalCorrection
 PREFILL_CHUNK = 256
 OBSERVE_EVERY = 4  # feed one step in this many to the cost table's drift correction (it moves slowly anyway)
 PLAN_EVERY = 8  # re-plan the adaptive draft length this often per batch shape (the profile moves slowly)
-PROBE_EVERY = 8  # when drafting does not pay, still draft one token every this many steps
+PROBE_EVERY = 8  # when drafting does not pay, still draft one token every this many steps ...
+PROBE_REQUESTS = 4  # ... for this many adaptive requests (in turn): enough to track the survival profile
 PLAN_HEADROOM = 1  # draft steps planned beyond the prior's optimum, so live survivals can ask for more
 EXPLORE_EVERY = 8  # when the solver admits no draft this many steps running, verify one per request anyway
 STOP_FACTOR = 0.5  # stop drafting a request once its survival is below this x the weakest slot last admitted
@@ -108,6 +109,8 @@ class Runtime:
         self.stop_threshold = 0.0  # survivals below this stop drafting (learned from the last solve)
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
+        self._probing = False  # this step's drafting is a probe (drafting did not pay)
+        self._probes = 0
         self._plan_cache: dict = {}
         self.plan_headroom, self.stop_factor = PLAN_HEADROOM, STOP_FACTOR
         self._unverified_steps = 0
@@ -327,6 +330,8 @@ class Runtime:
         if n_adaptive:
             self.adaptive_steps = self._plan_draft_steps(n_adaptive, len(decode))
         spec = [r for r in decode if r.mode.kind != "off" and self._draft_cap(r) > 0]
+        if n_adaptive and self._probing:
+            spec = self._probe_subset(spec)
 
         drafts, draft_ms = self._draft(spec) if spec else ({}, 0.0)
         engine_ms += draft_ms
@@ -438,6 +443,7 @@ class Runtime:
         waste. One step of headroom lets live survivals ask for more. When no drafting pays, draft
         nothing, but probe now and then so the profile keeps tracking the workload.
         """
+        self._probing = False
         if self.cost is None:
             return self.max_draft
         key = (n_adaptive, n_decode)
@@ -446,7 +452,9 @@ class Runtime:
             self._plan_cache[key] = (cached[0], cached[1] - 1)
             return cached[0]
         steps = self._plan_draft_steps_now(n_adaptive, n_decode)
-        self._plan_cache[key] = (steps, PLAN_EVERY)
+        # A probe is one step, not a plan: caching it would keep drafting that does not pay for
+        # PLAN_EVERY more steps.
+        self._plan_cache[key] = (0 if self._probing else steps, PLAN_EVERY)
         return steps
 
     def _plan_draft_steps_now(self, n_adaptive: int, n_decode: int) -> int:
@@ -463,9 +471,21 @@ class Runtime:
             if self._since_probe < PROBE_EVERY:
                 return 0
             self._since_probe = 0
+            self._probing = True
             return 1
         self._since_probe = 0
         return min(k, best + self.plan_headroom)
+
+    def _probe_subset(self, spec: list[Request]) -> list[Request]:
+        """On a probe step only PROBE_REQUESTS adaptive requests draft (taking turns): a draft call's
+        cost grows with its batch, and a few rows are enough to keep the survival profile current."""
+        adaptive = sorted((r for r in spec if r.mode.kind == "adaptive"), key=lambda r: r.id)
+        if len(adaptive) <= PROBE_REQUESTS:
+            return spec
+        start = (self._probes * PROBE_REQUESTS) % len(adaptive)
+        self._probes += 1
+        chosen = {r.id for r in (adaptive + adaptive)[start:start + PROBE_REQUESTS]}
+        return [r for r in spec if r.mode.kind != "adaptive" or r.id in chosen]
 
     def _draft_cap(self, r: Request) -> int:
         k = r.mode.k if r.mode.kind == "fixed" else min(self.max_draft, self.adaptive_steps)
