@@ -673,8 +673,6 @@ def _run_peers(manifest, prompts, max_new_tokens, temperature, seed, off_c1, bar
         row.update(summarize_requests(p["requests"], p["wall_s"]))
         if "assistant" in p:
             row["assistant"] = p["assistant"]
-        # The runtime's online survival recalibration after this cell (learned from every mode so far).
-        row["survival_correction"] = runs[-1].get("survival_correction")
         row["greedy_match_off"] = None
         if temperature == 0 and off_c1:
             same = sum(a["token_ids"] == b["token_ids"] for a, b in zip(p["requests"], off_c1))

@@ -33,7 +33,8 @@ PROBE_EVERY = 8  # when drafting does not pay, still draft one token every this 
 PROBE_REQUESTS = 4  # ... for this many adaptive requests (in turn): enough to track the survival profile
 PLAN_HEADROOM = 1  # draft steps planned beyond the prior's optimum, so live survivals can ask for more
 EXPLORE_EVERY = 8  # when the solver admits no draft this many steps running, verify one per request anyway
-STOP_FACTOR = 0.5  # stop drafting a request once its survival is below this x the weakest slot last admitted
+CALL_TEST = True  # make a further draft call only if its expected surplus pays for its time
+STOP_FACTOR = 0.8  # keep drafting while the next survival is predicted above this x the weakest slot last admitted
 
 
 @dataclass
@@ -106,7 +107,8 @@ class Runtime:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._in_step = False
-        self.stop_threshold = 0.0  # survivals below this stop drafting (learned from the last solve)
+        self.admit_threshold = 0.0  # weakest (corrected) survival the last solve admitted
+        self._rate = 0.0  # recent output tokens per ms of step time (EW), the value of a millisecond
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
@@ -358,6 +360,7 @@ class Runtime:
         order = decode + [r for r, _ in chunked]
         if not order:
             return True
+        tv = time.perf_counter()  # the verify call's full cost: feeds, engine, KV write
         past_lens = [r.target_len for r in order]
         slots = [r.slot for r in order]
         feeds = pack_queries(queries, past_lens, slots)
@@ -390,7 +393,9 @@ class Runtime:
         self.target_kv.write(present, feeds["positions"], token_slots(feeds))
         verified = int(m)
         if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
-            self.cost.observe_verify(int(feeds["tokens"].shape[0]), target_ms)
+            # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
+            # writes grow with the tokens verified too.
+            self.cost.observe_verify(int(feeds["tokens"].shape[0]), (time.perf_counter() - tv) * 1e3)
 
         accepted, next_tok = outs["accepted"], outs["next_token"]
         nd = len(decode)
@@ -429,6 +434,9 @@ class Runtime:
                 self._commit(r, [int(next_tok[i])], now)
         self._release_finished()
         wall_ms = (time.perf_counter() - t0) * 1e3
+        if decode and wall_ms > 0:
+            rate = (nd + int(sum(min(a, L) for a, L in zip(accepted[:nd], vl[:nd])))) / wall_ms
+            self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
         self.metrics.record_step(wall_ms, engine_ms, solver_us, verified, len(order),
                                  sum(len(d[0]) for d in drafts.values()))
         return True
@@ -535,9 +543,13 @@ class Runtime:
                 s = float(outs["survival"][i])
                 surv[r.id].append(s)
                 prev[r.id] = s
-                if len(toks[r.id]) < caps[r.id] and not (r.mode.kind == "adaptive" and s < self.stop_threshold):
+                if len(toks[r.id]) < caps[r.id]:
                     nxt.append(r)
                     nq.append([t])
+            keep = self._keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], surv, k + 1,
+                                       fixed_continue=any(r.mode.kind != "adaptive" for r in nxt))
+            nq = [q for r, q in zip(nxt, nq) if r.mode.kind != "adaptive" or r.id in keep]
+            nxt = [r for r in nxt if r.mode.kind != "adaptive" or r.id in keep]
             # Tokens fed this call are in the draft cache only provisionally: roll back to the committed
             # prefix; _step advances draft_len by what the target accepts.
             current, queries = nxt, nq
@@ -550,7 +562,37 @@ class Runtime:
             r.stats.drafted_tokens += len(toks[r.id])
         return out, engine_ms
 
+    def _keep_drafting(self, reqs: list[Request], surv: dict, drafted: int, fixed_continue: bool) -> set:
+        """Adaptive requests worth another draft step, by marginal value.
+
+        A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the weakest
+        survival the last solve admitted (in corrected units). The next token's survival is predicted as
+        S_k times the running profile's conditional acceptance at k+1, and a request keeps drafting iff
+        that clears theta * stop_factor. The call itself is made only if the expected surplus
+        sum (S_pred - theta) is worth its time at the runtime's recent output rate (tokens per ms); when
+        fixed-K requests draft anyway, the call is being made and only the per-request test applies.
+        Stopping rules that look only at positions <= k keep sampling lossless.
+        """
+        if not reqs:
+            return set()
+        k = drafted
+        rows = _pad_rows([surv[r.id] for r in reqs], k)
+        live = self.survival_correction.apply(rows) if self.survival_correction is not None else rows
+        prior = self.controller.prior_row(self.max_draft)
+        cond = prior[k] / prior[k - 1] if k < len(prior) and prior[k - 1] > 0 else 0.0
+        pred = live[:, k - 1] * cond
+        theta = self.admit_threshold
+        go = pred >= theta * self.stop_factor
+        if not go.any():
+            return set()
+        if CALL_TEST and not fixed_continue and self.cost is not None and self._rate > 0:
+            surplus = float(np.maximum(pred[go] - theta, 0.0).sum())
+            if surplus < self._rate * float(self.cost.draft_ms(int(go.sum()))):
+                return set()
+        return {r.id for r, g in zip(reqs, go) if g}
+
     def _run_draft(self, reqs, queries, prev_survival, positions):
+        t0 = time.perf_counter()
         feeds = pack_queries(queries, [r.draft_len for r in reqs], [r.slot for r in reqs])
         feeds["temperature"] = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
         feeds["uniforms"] = np.asarray([r.draft_draw(k) for r, k in zip(reqs, positions)], dtype=np.float32)
@@ -561,7 +603,9 @@ class Runtime:
         ms = (time.perf_counter() - t) * 1e3
         self.draft_kv.write(present, feeds["positions"], token_slots(feeds))
         if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
-            self.cost.observe_draft(len(reqs), ms)
+            # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a sizeable
+            # share of a small draft call, and the planner must weigh what a draft step really costs.
+            self.cost.observe_draft(len(reqs), (time.perf_counter() - t0) * 1e3)
         return outs, ms
 
     # ------------------------------------------------------------------ verify lengths
@@ -603,9 +647,8 @@ class Runtime:
         # Drafting further than the solver admits is wasted work: stop drafting next step once a
         # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
-        admitted = surv[np.arange(surv.shape[1])[None, :] < plan[:, None]]
-        self.stop_threshold = (self.stop_factor * float(admitted.min()) if admitted.size
-                               else float(surv[:, 0].max()) + 1e-6)
+        admitted = live[np.arange(live.shape[1])[None, :] < plan[:, None]]
+        self.admit_threshold = float(admitted.min()) if admitted.size else float(live[:, 0].max()) + 1e-6
         return lengths, solver_us
 
     def _verify_table(self, extra_tokens: int) -> np.ndarray:
