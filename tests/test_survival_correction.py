@@ -93,3 +93,22 @@ def test_shift_is_bounded_and_warmup_delays_use():
         corr.observe(s, [1], [1])
     assert corr.shift[0] == pytest.approx(1.0)
     assert not np.array_equal(corr.apply(s), s)
+
+
+def test_one_position_at_a_time_equals_the_whole_row():
+    rng = np.random.default_rng(2)
+    corr = SurvivalCorrection(5)
+    corr.shift[:] = rng.normal(0, 1.5, 5)
+    corr.seen[:3] = 100  # positions 4, 5 borrow position 3's shift
+    raw = np.cumprod(rng.random((20, 5)), axis=1)
+    raw[4, 3:] = 0.0
+    want = corr.apply(raw)
+    shifts = corr.active_shifts()
+    for r in range(20):
+        prev_raw, prev = 1.0, 1.0
+        for k in range(5):
+            prev = SurvivalCorrection.corrected_next(shifts, k, prev_raw, raw[r, k], prev)
+            prev_raw = raw[r, k]
+            assert prev == pytest.approx(want[r, k], rel=1e-9, abs=1e-12)
+    assert SurvivalCorrection(3).active_shifts() is None  # nothing learned: survivals pass through
+    assert SurvivalCorrection.corrected_next(None, 0, 1.0, 0.4, 1.0) == 0.4

@@ -34,7 +34,7 @@ PROBE_REQUESTS = 4  # ... for this many adaptive requests (in turn): enough to t
 PLAN_HEADROOM = 1  # draft steps planned beyond the prior's optimum, so live survivals can ask for more
 EXPLORE_EVERY = 8  # when the solver admits no draft this many steps running, verify one per request anyway
 CALL_TEST = True  # make a further draft call only if its expected surplus pays for its time
-STOP_FACTOR = 0.8  # keep drafting while the next survival is predicted above this x the weakest slot last admitted
+STOP_FACTOR = 1.0  # keep drafting while the next survival is predicted above this x the last break-even survival
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Runtime:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._in_step = False
-        self.admit_threshold = 0.0  # weakest (corrected) survival the last solve admitted
+        self.admit_threshold = 0.0  # break-even (corrected) survival of the last solve
         self._rate = 0.0  # recent output tokens per ms of step time (EW), the value of a millisecond
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
@@ -377,7 +377,7 @@ class Runtime:
         for i, r in enumerate(order):
             L = int(vl[i])
             if L:
-                toks, probs, _ = drafts[r.id]
+                toks, probs = drafts[r.id][:2]
                 draft_tokens[row:row + L] = toks[:L]
                 draft_probs[row:row + L] = probs[:L]
             if r.sampling:
@@ -530,6 +530,9 @@ class Runtime:
         current = list(reqs)
         queries = [r.tokens[r.draft_len:] for r in current]
         prev = {r.id: 1.0 for r in reqs}
+        # Survivals as the solver will see them (online-corrected), kept up as drafting goes.
+        shifts = self.survival_correction.active_shifts() if self.survival_correction is not None else None
+        corr = {r.id: [] for r in reqs}
         k = 0
         while current:
             outs, ms = self._run_draft(current, queries, [prev[r.id] for r in current], [k] * len(current))
@@ -542,11 +545,13 @@ class Runtime:
                 probs[r.id].append(outs["draft_probs"][i])
                 s = float(outs["survival"][i])
                 surv[r.id].append(s)
+                cr = corr[r.id]
+                cr.append(SurvivalCorrection.corrected_next(shifts, k, prev[r.id], s, cr[-1] if cr else 1.0))
                 prev[r.id] = s
                 if len(toks[r.id]) < caps[r.id]:
                     nxt.append(r)
                     nq.append([t])
-            keep = self._keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], surv, k + 1,
+            keep = self._keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], corr, k + 1,
                                        fixed_continue=any(r.mode.kind != "adaptive" for r in nxt))
             nq = [q for r, q in zip(nxt, nq) if r.mode.kind != "adaptive" or r.id in keep]
             nxt = [r for r in nxt if r.mode.kind != "adaptive" or r.id in keep]
@@ -557,16 +562,17 @@ class Runtime:
         for r in reqs:
             r.draft_len = len(r.tokens)
             r.draft_rounds += 1
-        out = {r.id: (toks[r.id], np.stack(probs[r.id]), np.asarray(surv[r.id], dtype=np.float32)) for r in reqs}
+        out = {r.id: (toks[r.id], np.stack(probs[r.id]), np.asarray(surv[r.id], dtype=np.float32), corr[r.id])
+               for r in reqs}
         for r in reqs:
             r.stats.drafted_tokens += len(toks[r.id])
         return out, engine_ms
 
-    def _keep_drafting(self, reqs: list[Request], surv: dict, drafted: int, fixed_continue: bool) -> set:
+    def _keep_drafting(self, reqs: list[Request], corrected: dict, drafted: int, fixed_continue: bool) -> set:
         """Adaptive requests worth another draft step, by marginal value.
 
-        A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the weakest
-        survival the last solve admitted (in corrected units). The next token's survival is predicted as
+        A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the
+        break-even survival of the last solve (`_marginal_survival`, in corrected units). The next token's survival is predicted as
         S_k times the running profile's conditional acceptance at k+1, and a request keeps drafting iff
         that clears theta * stop_factor. The call itself is made only if the expected surplus
         sum (S_pred - theta) is worth its time at the runtime's recent output rate (tokens per ms); when
@@ -576,11 +582,9 @@ class Runtime:
         if not reqs:
             return set()
         k = drafted
-        rows = _pad_rows([surv[r.id] for r in reqs], k)
-        live = self.survival_correction.apply(rows) if self.survival_correction is not None else rows
         prior = self.controller.prior_row(self.max_draft)
         cond = prior[k] / prior[k - 1] if k < len(prior) and prior[k - 1] > 0 else 0.0
-        pred = live[:, k - 1] * cond
+        pred = np.fromiter((corrected[r.id][-1] for r in reqs), np.float64, len(reqs)) * cond
         theta = self.admit_threshold
         go = pred >= theta * self.stop_factor
         if not go.any():
@@ -622,14 +626,13 @@ class Runtime:
                 adaptive.append(r)
         if not adaptive:
             return lengths, 0.0
-        surv = np.zeros((len(adaptive), self.max_draft), dtype=np.float64)
+        live = np.zeros((len(adaptive), self.max_draft), dtype=np.float64)
         caps = np.zeros(len(adaptive), dtype=np.int64)
         for i, r in enumerate(adaptive):
-            s = drafts[r.id][2]
-            surv[i, :len(s)] = s
+            s = drafts[r.id][3]  # online-corrected survivals
+            live[i, :len(s)] = s
             caps[i] = len(s)
         t = time.perf_counter_ns()
-        live = self.survival_correction.apply(surv) if self.survival_correction is not None else surv
         others = len(decode) - len(adaptive) + sum(lengths.values())
         plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
                                     _StepCost(self._verify_table(others), draft_ms), len(adaptive), caps=caps)
@@ -648,8 +651,31 @@ class Runtime:
         # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = live[np.arange(live.shape[1])[None, :] < plan[:, None]]
-        self.admit_threshold = float(admitted.min()) if admitted.size else float(live[:, 0].max()) + 1e-6
+        self.admit_threshold = self._marginal_survival(len(adaptive), float(admitted.sum()), int(plan.sum()),
+                                                       self._verify_table(others), draft_ms)
         return lengths, solver_us
+
+    @staticmethod
+    def _marginal_survival(requests: int, admitted_sum: float, budget: int, table: np.ndarray,
+                           draft_ms: float, span: int = 4) -> float:
+        """The survival at which one more verified draft breaks even at this step's solution: the
+        step's expected output per ms times the marginal cost of a verified token (averaged over `span`
+        tokens, the table is noisy token to token). Unlike the weakest admitted survival, this does not
+        rise when the solver admits everything that was drafted, so drafting depth cannot ratchet down."""
+        t = requests + budget
+        n = len(table)
+
+        def at(x: int) -> float:
+            if x < n:
+                return float(table[x])
+            slope = float(table[-1] - table[-2]) if n >= 3 else 0.0
+            return float(table[-1]) + (x - n + 1) * slope
+
+        cost = draft_ms + at(t)
+        if cost <= 0:
+            return 0.0
+        rate = (requests + admitted_sum) / cost
+        return max(0.0, rate * (at(t + span) - at(t)) / span)
 
     def _verify_table(self, extra_tokens: int) -> np.ndarray:
         """Verify cost by verified-token count, shifted by tokens other requests verify anyway."""

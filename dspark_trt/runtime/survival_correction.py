@@ -31,6 +31,8 @@ the solver's stopping-rule argument holds unchanged.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = ["SurvivalCorrection"]
@@ -76,6 +78,7 @@ class SurvivalCorrection:
 
     def reset(self) -> None:
         self.shift = np.zeros(self.max_draft)
+        self._active = None  # cached active_shifts()
         self.curvature = np.zeros(self.max_draft)  # H_k
         self.seen = np.zeros(self.max_draft, dtype=np.int64)  # reached positions observed
         self.accepted = np.zeros(self.max_draft, dtype=np.int64)
@@ -90,6 +93,26 @@ class SurvivalCorrection:
         if k > self.max_draft:
             out = np.concatenate([out, np.full(k - self.max_draft, out[-1])])
         return out[:k]
+
+    def active_shifts(self) -> list[float] | None:
+        """The shift applied at each position 0..max_draft-1 (None while no position is warm), for
+        correcting survivals one draft step at a time (`corrected_next`)."""
+        if self._active is None and (self.seen >= self.warmup).any():
+            self._active = [float(x) for x in self._active_shift(self.max_draft)]
+        return self._active
+
+    @staticmethod
+    def corrected_next(shifts: list[float] | None, k: int, prev_raw: float, raw: float, prev_corrected: float) -> float:
+        """Corrected S'_{k+1} from the raw S_k (prev_raw), S_{k+1} (raw) and the corrected S'_k: the
+        same as `apply` on the whole row, one position at a time in plain floats (a draft loop calls
+        this per request per draft step, where numpy's per-call overhead would dominate)."""
+        if shifts is None:
+            return raw
+        if prev_raw <= _TINY or raw <= 0.0:
+            return 0.0
+        c = min(max(raw / prev_raw, _EPS), 1.0 - _EPS)
+        z = math.log(c) - math.log1p(-c) + shifts[min(k, len(shifts) - 1)]
+        return prev_corrected * 0.5 * (1.0 + math.tanh(0.5 * z))
 
     def apply(self, survival) -> np.ndarray:
         """(R, K) raw survivals -> corrected survivals (float64, non-increasing along rows)."""
@@ -125,6 +148,7 @@ class SurvivalCorrection:
         step = np.clip(grad / (self.curvature[:m] + self.damping), -self.max_step, self.max_step)
         self.shift[:n.size] = np.clip(self.shift[:n.size] + step, -self.bound, self.bound)
         self.seen[:n.size] += n
+        self._active = None
         self.accepted[:n.size] += outcome.sum(axis=0)
         return int(n.sum())
 
