@@ -229,6 +229,7 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
     for r in runs:
         assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
         assert r["generated_tokens"] == r["requests"] * 8 and r["output_tok_s"] > 0
+        assert r["requests"] == max(3, 3 * r["concurrency"])  # every prompt, and at least 3 waves per user
         assert len(r["acceptance_per_position"]) == 4
         assert r["greedy_match_off"] == 1.0  # greedy speculation is lossless
         if r["mode"] == "off":
@@ -258,4 +259,4 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
     assert (out / "results.json").read_text() == before
     sub = [d for d in out.iterdir() if d.is_dir() and d.name.startswith("run-")]
     assert len(sub) == 1 and (sub[0] / "results.md").is_file() and (sub[0] / "throughput.png").is_file()
-    assert json.loads((sub[0] / "results.json").read_text())["runs"][0]["generated_tokens"] == 2
+    assert json.loads((sub[0] / "results.json").read_text())["runs"][0]["generated_tokens"] == 3 * 2  # 3 waves

@@ -4,8 +4,9 @@ Method
 - One runtime (the artifact, one backend) serves every run. Prompts are fixed token-id lists (see
   :mod:`dspark_trt.bench.prompts`), identical for every mode and concurrency.
 - A run = (mode, concurrency c): c simulated users, each submitting a request and, as soon as it finishes,
-  the next one (closed loop: c requests in flight), until max(num_prompts, c) requests are done; request
-  i uses prompt i mod num_prompts and sampling seed seed + i. Every request generates exactly
+  the next one (closed loop: c requests in flight), until max(num_prompts, WAVES * c) requests are done
+  (at least WAVES waves, so a run measures the steady state rather than one start-up and one ramp-down
+  of a single wave); request i uses prompt i mod num_prompts and sampling seed seed + i. Every request generates exactly
   max_new_tokens tokens (EOS does not stop it), so every mode emits the same tokens.
 - For each concurrency the modes run in turn (interleaved), ``rounds`` times with the mode order rotated
   each round, so slow machine drift hits all modes alike; a (mode, c) row aggregates its rounds.
@@ -41,8 +42,9 @@ DEFAULT_MAX_NEW_TOKENS = 64
 QUICK = {"concurrency": "1,4,16", "modes": "off,fixed:2,fixed:4,adaptive", "num_prompts": 12, "max_new_tokens": 32}
 RESULT_FILES = ("results.json", "results.md", "throughput.png")
 WARMUP_TOKENS = 8
+WAVES = 3  # each run completes at least this many requests per user
 
-__all__ = ["run_bench", "apply_quick", "parse_concurrency", "parse_modes", "resolve_out_dir", "summarize_requests",
+__all__ = ["run_bench", "apply_quick", "requests_per_run", "parse_concurrency", "parse_modes", "resolve_out_dir", "summarize_requests",
            "run_metrics", "DEFAULT_CONCURRENCY", "DEFAULT_MODES", "QUICK"]
 
 
@@ -54,6 +56,11 @@ def apply_quick(concurrency, modes, num_prompts, max_new_tokens) -> tuple[str, s
             QUICK["modes"] if str(modes) == DEFAULT_MODES else str(modes),
             QUICK["num_prompts"] if int(num_prompts) == DEFAULT_NUM_PROMPTS else int(num_prompts),
             QUICK["max_new_tokens"] if int(max_new_tokens) == DEFAULT_MAX_NEW_TOKENS else int(max_new_tokens))
+
+
+def requests_per_run(num_prompts: int, concurrency: int) -> int:
+    """Requests completed in one (mode, concurrency) run: every prompt once, and at least WAVES per user."""
+    return max(int(num_prompts), WAVES * int(concurrency))
 
 
 def parse_concurrency(value) -> list[int]:
@@ -576,7 +583,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": int(seed),
                 "rounds": int(rounds), "concurrency": levels, "modes": mode_list,
                 "concurrency_requested": str(concurrency), "max_batch": max_batch, "max_draft": max_draft,
-                "requests_per_run": {c: max(len(prompts), c) for c in levels}}
+                "requests_per_run": {c: requests_per_run(len(prompts), c) for c in levels}}
 
     from tqdm.auto import tqdm
 
@@ -592,7 +599,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
             notes.append("no cost profile: oracle goodput not computed")
         result = {"format": "dspark-trt/bench", "version": 1, "complete": False, "env": env, "settings": settings,
                   "notes": notes, "prompts": [p.to_dict() for p in prompts], "runs": [], "summary": []}
-        total = sum(max(len(prompts), c) for c in levels) * len(mode_list) * int(rounds)
+        total = sum(requests_per_run(len(prompts), c) for c in levels) * len(mode_list) * int(rounds)
         peer_reqs = len(prompts) * 2 if peers else 0
         with tqdm(total=total + peer_reqs, desc="bench", unit="req", disable=not progress, dynamic_ncols=True) as bar:
             if warmup:
@@ -605,7 +612,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                     order = mode_list[rnd % len(mode_list):] + mode_list[:rnd % len(mode_list)]
                     for m in order:
                         bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}")
-                        raw[m].append(_measure(rt, prompts, m, c, max(len(prompts), c), int(max_new_tokens),
+                        raw[m].append(_measure(rt, prompts, m, c, requests_per_run(len(prompts), c), int(max_new_tokens),
                                                float(temperature), int(seed), bar))
                 rows = _aggregate(raw, c, max_draft, cost, float(temperature))
                 if c == 1 and "off" in raw:

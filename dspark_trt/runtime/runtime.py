@@ -27,6 +27,7 @@ from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
 PREFILL_CHUNK = 256
+OBSERVE_BATCH = 32  # verification outcomes buffered before the survival correction learns from them
 OBSERVE_EVERY = 4  # feed one step in this many to the cost table's drift correction (it moves slowly anyway)
 PLAN_EVERY = 8  # re-plan the adaptive draft length this often per batch shape (the profile moves slowly)
 PROBE_EVERY = 8  # when drafting does not pay, still draft one token every this many steps ...
@@ -116,6 +117,7 @@ class Runtime:
         self._plan_cache: dict = {}
         self.plan_headroom, self.stop_factor = PLAN_HEADROOM, STOP_FACTOR
         self._unverified_steps = 0
+        self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -400,10 +402,15 @@ class Runtime:
         accepted, next_tok = outs["accepted"], outs["next_token"]
         nd = len(decode)
         if self.survival_correction is not None:
-            seen = [i for i, r in enumerate(decode) if vl[i] > 0]
-            if seen:
-                self.survival_correction.observe(_pad_rows([drafts[decode[i].id][2] for i in seen], self.max_draft),
-                                                 vl[seen], accepted[seen])
+            # Outcomes are buffered and learned from every few steps: one vectorised update over more
+            # rows instead of a numpy round per step.
+            for i, r in enumerate(decode):
+                if vl[i] > 0:
+                    self._outcomes.append((drafts[r.id][2], int(vl[i]), int(accepted[i])))
+            if len(self._outcomes) >= OBSERVE_BATCH or (self._outcomes and self.metrics.steps % OBSERVE_EVERY == 0):
+                rows, vls, accs = zip(*self._outcomes)
+                self._outcomes.clear()
+                self.survival_correction.observe(_pad_rows(rows, self.max_draft), vls, accs)
         self.metrics.log_step({
             "decode_requests": nd, "prefill_tokens": int(sum(n for _, n in chunked)),
             "verify_lens": vl[:nd].tolist(), "accepted": [int(min(a, L)) for a, L in zip(accepted[:nd], vl[:nd])],
