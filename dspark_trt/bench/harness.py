@@ -428,7 +428,7 @@ def render_markdown(result: dict) -> str:
     L += [f"Prompts: {settings['prompts_source']} ({settings['num_prompts']} prompts, "
           f"{settings['prompt_tokens_min']}-{settings['prompt_tokens_max']} tokens); max new tokens "
           f"{settings['max_new_tokens']}; temperature {settings['temperature']:g}; seed {settings['seed']}; "
-          f"rounds {settings['rounds']}; requests per run max(num prompts, concurrency).", ""]
+          f"rounds {settings['rounds']}; requests per run max(num prompts, {WAVES} x concurrency).", ""]
     for note in result.get("notes", []):
         L.append(f"- {note}")
     if result.get("notes"):

@@ -110,6 +110,10 @@ class Runtime:
         self._in_step = False
         self.admit_threshold = 0.0  # break-even (corrected) survival of the last solve
         self._rate = 0.0  # recent output tokens per ms of step time (EW), the value of a millisecond
+        # Recent per-step time outside the engines (EW): scheduling, packing, solving, committing. Every
+        # step pays it whatever it verifies, so it belongs in the constant of the solver's denominator:
+        # ignoring it under-values emitting more tokens per step (on a CPU, ~1 ms of a 7 ms step).
+        self._overhead_ms = 0.0
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
@@ -444,6 +448,8 @@ class Runtime:
         if decode and wall_ms > 0:
             rate = (nd + int(sum(min(a, L) for a, L in zip(accepted[:nd], vl[:nd])))) / wall_ms
             self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
+            over = max(0.0, wall_ms - engine_ms)
+            self._overhead_ms = over if self._overhead_ms == 0 else 0.95 * self._overhead_ms + 0.05 * over
         self.metrics.record_step(wall_ms, engine_ms, solver_us, verified, len(order),
                                  sum(len(d[0]) for d in drafts.values()))
         return True
@@ -454,7 +460,7 @@ class Runtime:
 
         Uses the running survival profile (which does not depend on this step's drafts) and the cost
         table: with R requests expected to keep j drafts each, throughput is
-        R (1 + sum_{i<j} S_i) / (j draft_ms(R) + verify_ms(R (1 + j))); drafting far past the best j is
+        R (1 + sum_{i<j} S_i) / (overhead + j draft_ms(R) + verify_ms(R (1 + j))); drafting far past the best j is
         waste. One step of headroom lets live survivals ask for more. When no drafting pays, draft
         nothing, but probe now and then so the profile keeps tracking the workload.
         """
@@ -478,7 +484,7 @@ class Runtime:
         j = np.arange(k + 1)
         gain = n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
         base = n_decode - n_adaptive
-        cost = j * float(self.cost.draft_ms(n_adaptive)) + np.asarray(
+        cost = self._overhead_ms + j * float(self.cost.draft_ms(n_adaptive)) + np.asarray(
             self.cost.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
         best = int(np.argmax(gain / np.maximum(cost, 1e-9)))
         if best == 0:
@@ -642,7 +648,8 @@ class Runtime:
         t = time.perf_counter_ns()
         others = len(decode) - len(adaptive) + sum(lengths.values())
         plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
-                                    _StepCost(self._verify_table(others), draft_ms), len(adaptive), caps=caps)
+                                    _StepCost(self._verify_table(others), draft_ms + self._overhead_ms),
+                                    len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
         if self.survival_correction is not None:
             # Exploration: survivals that are too pessimistic admit nothing, and then verification never
@@ -659,7 +666,7 @@ class Runtime:
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = live[np.arange(live.shape[1])[None, :] < plan[:, None]]
         self.admit_threshold = self._marginal_survival(len(adaptive), float(admitted.sum()), int(plan.sum()),
-                                                       self._verify_table(others), draft_ms)
+                                                       self._verify_table(others), draft_ms + self._overhead_ms)
         return lengths, solver_us
 
     @staticmethod
