@@ -24,6 +24,7 @@ from dspark_trt.runtime.config import GenerationConfig, parse_spec
 from dspark_trt.runtime.kv_cache import KVCache
 from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.spec_guard import SpecGuard
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
 PREFILL_CHUNK = 256
@@ -114,6 +115,8 @@ class Runtime:
         # step pays it whatever it verifies, so it belongs in the constant of the solver's denominator:
         # ignoring it under-values emitting more tokens per step (on a CPU, ~1 ms of a 7 ms step).
         self._overhead_ms = 0.0
+        self.spec_guard = SpecGuard()  # measured check that speculating beats not speculating (spec_guard.py)
+        self._arm: str | None = None  # the guard's arm this step (None: the guard was not consulted)
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
@@ -332,6 +335,7 @@ class Runtime:
             return False
         t0 = time.perf_counter()
         engine_ms = 0.0
+        self._arm = None
         decode = [r for r in active if r.uncached == 1]
         prefill = [r for r in active if r.uncached > 1]
         n_adaptive = sum(r.mode.kind == "adaptive" for r in decode)
@@ -448,6 +452,8 @@ class Runtime:
         if decode and wall_ms > 0:
             rate = (nd + int(sum(min(a, L) for a, L in zip(accepted[:nd], vl[:nd])))) / wall_ms
             self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
+            if self._arm is not None:
+                self.spec_guard.record(nd, self._arm, rate)
             over = max(0.0, wall_ms - engine_ms)
             self._overhead_ms = over if self._overhead_ms == 0 else 0.95 * self._overhead_ms + 0.05 * over
         self.metrics.record_step(wall_ms, engine_ms, solver_us, verified, len(order),
@@ -471,12 +477,19 @@ class Runtime:
         cached = self._plan_cache.get(key)
         if cached is not None and cached[1] > 0 and cached[0] > 0:
             self._plan_cache[key] = (cached[0], cached[1] - 1)
-            return cached[0]
+            return self._guarded(cached[0], n_decode)
         steps = self._plan_draft_steps_now(n_adaptive, n_decode)
         # A probe is one step, not a plan: caching it would keep drafting that does not pay for
         # PLAN_EVERY more steps.
         self._plan_cache[key] = (0 if self._probing else steps, PLAN_EVERY)
-        return steps
+        return steps if self._probing else self._guarded(steps, n_decode)
+
+    def _guarded(self, steps: int, n_decode: int) -> int:
+        """The model's draft depth, unless measurement says not speculating is faster at this load."""
+        if steps <= 0 or n_decode < 1:
+            return steps
+        self._arm = self.spec_guard.arm(n_decode)
+        return steps if self._arm == "spec" else 0
 
     def _plan_draft_steps_now(self, n_adaptive: int, n_decode: int) -> int:
         k = self.max_draft
