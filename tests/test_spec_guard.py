@@ -1,0 +1,49 @@
+"""The measured guard on speculating at all: a spec for SpecGuard (pure python, simulated rates)."""
+
+from dspark_trt.runtime import spec_guard
+from dspark_trt.runtime.spec_guard import SpecGuard
+
+
+def run(guard, rates, steps, n_decode=32):
+    """Drive the guard for `steps` steps where each arm yields a fixed output rate; returns the arms run."""
+    arms = []
+    for _ in range(steps):
+        arm = guard.arm(n_decode)
+        guard.record(n_decode, arm, rates[arm])
+        arms.append(arm)
+    return arms
+
+
+def test_when_plain_is_faster_the_guard_mostly_runs_plain():
+    arms = run(SpecGuard(), {"spec": 1.0, "plain": 1.7}, 2000)
+    assert arms[: spec_guard.FIRST] == ["spec"] * spec_guard.FIRST  # starts with the model's choice
+    assert arms[-500:].count("plain") > 480  # then trials of spec are rare
+    assert arms.count("spec") < 100
+
+
+def test_when_spec_is_faster_it_keeps_speculating_with_rare_trials():
+    arms = run(SpecGuard(), {"spec": 1.6, "plain": 1.0}, 3000)
+    assert arms.count("plain") < 0.03 * len(arms)  # trial spacing grows with the gap (loss budget ~1-2%)
+    assert "plain" in arms  # but the other arm is still measured now and then
+
+
+def test_close_rates_keep_spec_and_buckets_are_separate():
+    g = SpecGuard()
+    arms = run(g, {"spec": 1.0, "plain": 1.02}, 500)  # within MARGIN: no reason to stop speculating
+    assert arms[-100:].count("spec") > 75  # short trials of plain (equal rates: they cost nothing)
+    assert run(g, {"spec": 1.0, "plain": 1.0}, 1, n_decode=1) == ["spec"]  # a new load bucket starts fresh
+    assert set(g.report()) == {1, 32}
+
+
+def test_the_first_steps_of_a_segment_are_not_measured():
+    g = SpecGuard()
+    n = 8
+    for i in range(spec_guard.SKIP):
+        arm = g.arm(n)
+        g.record(n, arm, 100.0)  # e.g. the draft catching up after a switch
+    assert g.report()[8]["spec_tok_per_ms"] is None
+    arm = g.arm(n)
+    g.record(n, arm, 1.0)
+    assert g.report()[8]["spec_tok_per_ms"] == 1.0
+    g.record(n, "plain", 5.0)  # a rate for the arm not running is ignored
+    assert g.report()[8]["plain_tok_per_ms"] is None
