@@ -115,7 +115,8 @@ class Runtime:
         # step pays it whatever it verifies, so it belongs in the constant of the solver's denominator:
         # ignoring it under-values emitting more tokens per step (on a CPU, ~1 ms of a 7 ms step).
         self._overhead_ms = 0.0
-        self.spec_guard = SpecGuard()  # measured check that speculating beats not speculating (spec_guard.py)
+        # Measured check that speculating beats not speculating (spec_guard.py); None: trust the model.
+        self.spec_guard: SpecGuard | None = SpecGuard()
         self._arm: str | None = None  # the guard's arm this step (None: the guard was not consulted)
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
@@ -486,7 +487,7 @@ class Runtime:
 
     def _guarded(self, steps: int, n_decode: int) -> int:
         """The model's draft depth, unless measurement says not speculating is faster at this load."""
-        if steps <= 0 or n_decode < 1:
+        if steps <= 0 or n_decode < 1 or self.spec_guard is None:
             return steps
         self._arm = self.spec_guard.arm(n_decode)
         return steps if self._arm == "spec" else 0
