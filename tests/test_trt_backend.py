@@ -599,20 +599,24 @@ def test_runtime_on_fake_engines_matches_host(tmp_path, spec):
     tok = load_tokenizer(tmp_path / "tokenizer.json")
     prompts = [[1, 2, 3, 4, 5], [7, 7], list(range(10, 30)), [3]]
     cfg = GenerationConfig(max_new_tokens=12, temperature=0.0, spec=spec)
-    results, caches = [], []
+    results, caches, slots = [], [], []
     for backend in (ToyHostBackend(), fake_backend()):
         with Runtime(tmp_path, toy_manifest(), backend, tok) as rt:
-            out = rt.generate(prompts, cfg)
+            reqs = [rt.submit(p, cfg) for p in prompts]
+            out = [rt.wait(r) for r in reqs]
             caches.append((rt.target_kv, rt.draft_kv))
+            slots.append([(r.slot, len(r.tokens)) for r in reqs])
         assert all(r.error is None for r in out), [r.error for r in out]
         results.append([r.token_ids for r in out])
     assert results[0] == results[1]
     assert all(len(ids) == 12 for ids in results[0])
     (ht, hd), (dt, dd) = caches
     assert isinstance(ht, KVCache) and isinstance(dt, DeviceKVCache) and isinstance(dd, DeviceKVCache)
+    # Which slot a request gets depends on when the worker thread first runs, so compare per request.
     for host, dev in ((ht, dt), (hd, dd)):
         for a, b in zip(dev.to_host(CTX), host.past(CTX)):
-            np.testing.assert_array_equal(a, b)
+            for (s_dev, n), (s_host, _) in zip(slots[1], slots[0]):
+                np.testing.assert_array_equal(a[:n - 1, s_dev], b[:n - 1, s_host])
 
 
 # ------------------------------------------------------------------------------------------- real engines
