@@ -22,6 +22,19 @@ def pytest_configure(config):
 TINY_VOCAB = 300
 
 
+def stop_process(proc, timeout: float) -> None:
+    """Ask a server subprocess to stop (SIGINT, as Ctrl-C would); kill it if it does not within `timeout`."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def make_tokenizer(path: Path, vocab: int = TINY_VOCAB) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

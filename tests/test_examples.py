@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import stop_process
 
 from dspark_trt.runtime import GenerationConfig, Runtime
 
@@ -296,10 +296,5 @@ def test_ray_serve_two_replicas(tiny_artifact, rt, tmp_path):
                                                 temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks) == want[prompts[0]]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=60)
         log.close()

@@ -15,6 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from conftest import stop_process
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -397,10 +398,5 @@ def test_cli_serve_runs_and_stops(tiny_artifact, rt):
         r = c.completions.create(model=name, prompt=PROMPTS[0], max_tokens=8, temperature=0)
         assert r.choices[0].text == _offline(rt, [PROMPTS[0]], 8)[0]
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout=30)
     assert proc.returncode in (0, 1, -signal.SIGINT)
