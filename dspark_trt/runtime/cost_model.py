@@ -42,6 +42,7 @@ __all__ = [
     "CostTable",
     "PROFILE_FILENAME",
     "isotonic_increasing",
+    "table_lookup",
     "measurement_points",
     "profile_points",
 ]
@@ -117,7 +118,7 @@ def _fit(points, n_max: int | None, what: str):
     return table, medians
 
 
-def _lookup(table: np.ndarray, x):
+def table_lookup(table: np.ndarray, x):
     """table[x] for integer x >= 0; beyond the end, linear from the last two entries at index >= 1."""
     n = table.size
     if isinstance(x, (int, np.integer)):  # fast path: called every step
@@ -296,18 +297,18 @@ class CostTable:
 
     def verify_ms(self, tokens, corrected: bool = True):
         """Predicted ms of a verify step over ``tokens`` tokens (scalar or array; linear beyond the table)."""
-        return _lookup(self._table("verify", corrected), tokens)
+        return table_lookup(self._table("verify", corrected), tokens)
 
     def draft_ms(self, batch, corrected: bool = True):
         """Predicted ms of a draft step for ``batch`` requests (scalar or array; linear beyond the table)."""
-        return _lookup(self._table("draft", corrected), batch)
+        return table_lookup(self._table("draft", corrected), batch)
 
     # -- drift --------------------------------------------------------------------------------------
     def _observe(self, name: str, size, ms) -> bool:
         size, ms = int(size), float(ms)
         if size < 1 or not (0.0 < ms < math.inf):  # also rejects NaN
             return False
-        predicted = _lookup(self._base[name], size)
+        predicted = table_lookup(self._base[name], size)
         if not predicted > 0.0:
             return False
         self._drift[name].observe(size, math.log(ms / predicted))

@@ -21,6 +21,7 @@ import numpy as np
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
 from dspark_trt.runtime.config import GenerationConfig, parse_spec
+from dspark_trt.runtime.cost_model import table_lookup
 from dspark_trt.runtime.kv_cache import KVCache
 from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.request import Request
@@ -691,19 +692,11 @@ class Runtime:
         tokens, the table is noisy token to token). Unlike the weakest admitted survival, this does not
         rise when the solver admits everything that was drafted, so drafting depth cannot ratchet down."""
         t = requests + budget
-        n = len(table)
-
-        def at(x: int) -> float:
-            if x < n:
-                return float(table[x])
-            slope = float(table[-1] - table[-2]) if n >= 3 else 0.0
-            return float(table[-1]) + (x - n + 1) * slope
-
-        cost = draft_ms + at(t)
+        cost = draft_ms + table_lookup(table, t)
         if cost <= 0:
             return 0.0
         rate = (requests + admitted_sum) / cost
-        return max(0.0, rate * (at(t + span) - at(t)) / span)
+        return max(0.0, rate * (table_lookup(table, t + span) - table_lookup(table, t)) / span)
 
     def _verify_table(self, extra_tokens: int) -> np.ndarray:
         """Verify cost by verified-token count, shifted by tokens other requests verify anyway."""
