@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from dspark_trt import __version__
@@ -69,6 +70,15 @@ def test_profile_writes_a_cost_profile(tiny_artifact):
     v = prof["verify_ms"]
     assert all(b >= a for a, b in zip(v, v[1:]))  # monotone
     assert prof["meta"]["backend"] == "ort"
+    # Target calls of varied shape for the call-shape model: many rows and few, even and uneven depth,
+    # a prompt chunk among decode rows; a fitted model that predicts them.
+    shapes = np.asarray(prof["points"]["verify_shapes"])
+    assert len(shapes) >= 10 and len(set(shapes[:, 1])) >= 3 and (shapes[:, 4] > 0).all()
+    from dspark_trt.runtime.cost_model import CostTable
+
+    model = CostTable.load(tiny_artifact / "cost_profile.json").call_shape
+    pred = np.array([model.ms(*map(int, s[:4])) for s in shapes])
+    assert np.median(np.abs(pred / shapes[:, 4] - 1)) < 0.5
 
 
 @pytest.mark.parametrize("args", [["check", "/nonexistent/dir"], ["build", "/nonexistent/dir"]])

@@ -187,3 +187,41 @@ def test_when_drafting_does_not_pay_only_a_few_requests_probe_now_and_then(tiny_
         assert seen == set(range(8))  # requests take turns
     finally:
         rt.close()
+
+
+def _shape_cost_table(coef):
+    """A cost table whose call-shape model has these coefficients (call_shape.FEATURES)."""
+    from dspark_trt.runtime.call_shape import features
+    from dspark_trt.runtime.cost_model import CostTable
+
+    shapes = [(n * r, r, n, p) for r in (1, 2, 8) for n in (1, 4, 16) for p in (8, 64)]
+    pts = [[*s, float(features(*s) @ np.asarray(coef, dtype=float))] for s in shapes]
+    return CostTable(np.arange(64, dtype=float) + 10.0, np.arange(9, dtype=float), points={"verify_shapes": pts})
+
+
+@pytest.mark.parametrize("spec", ["off", "adaptive"])
+def test_prompt_chunks_get_their_own_call_when_padding_would_cost_more(tiny_artifact, spec):
+    """Two slots, four requests of different lengths: later prompts arrive while another request decodes.
+    Where the call-shape model says padding the decode row to the prompt's length costs more than a
+    second call, the prompt gets a call of its own; outputs do not depend on it."""
+    prompts = ["def fib(n):", "return self.x + 1\n" * 6, "import os\n", "class Foo:\n    def __init__(self):"]
+    cfgs = [GenerationConfig(max_new_tokens=n, spec=spec) for n in (6, 20, 9, 14)]
+    calls, out = {}, {}
+    for name, coef in (("padding dear", [1.0, 0.01, 0.0, 50.0]), ("calls dear", [100.0, 0.01, 0.0, 0.0])):
+        rt = Runtime.load(tiny_artifact, profile="none", max_batch=2)
+        try:
+            rt.cost = _shape_cost_table(coef)
+            out[name] = [r.token_ids for r in rt.generate(prompts, cfgs)]
+            calls[name] = [s["target_calls"] for s in rt.metrics.step_log if s["prefill_tokens"] and s["decode_requests"]]
+        finally:
+            rt.close()
+    assert calls["padding dear"] and set(calls["padding dear"]) == {2}
+    assert calls["calls dear"] and set(calls["calls dear"]) == {1}
+    assert out["padding dear"] == out["calls dear"]
+    if spec != "off":
+        rt = Runtime.load(tiny_artifact, profile="none")
+        try:
+            assert out["calls dear"] == [r.token_ids for r in rt.generate(prompts, [
+                GenerationConfig(max_new_tokens=c.max_new_tokens, spec="off") for c in cfgs])]
+        finally:
+            rt.close()

@@ -247,6 +247,12 @@ class CostTable:
             self._base[name] = t
         self.meta = dict(meta or {})
         self.points = points or {}
+        # Cost of a target call by its shape (call_shape.py), when the profile measured shapes.
+        self.call_shape = None
+        if self.points.get("verify_shapes"):
+            from dspark_trt.runtime.call_shape import CallShapeCost
+
+            self.call_shape = CallShapeCost.from_points(self.points["verify_shapes"])
         self._drift = {name: _Drift(alpha, max_step, bounds) for name in ("verify", "draft")}
         self._cache: dict[str, np.ndarray] = {}
 
@@ -254,11 +260,12 @@ class CostTable:
     @classmethod
     def from_measurements(cls, verify_points: dict[int, list[float]], draft_points: dict[int, list[float]],
                           meta: dict | None = None, *, max_tokens: int | None = None, max_batch: int | None = None,
-                          **drift_options) -> "CostTable":
+                          shape_points=None, **drift_options) -> "CostTable":
         """Fit tables from raw repeats ``{size: [ms, ...]}`` (see module docstring for the fit).
 
         ``max_tokens`` / ``max_batch`` set the table lengths (default: the largest measured size);
-        sizes beyond the last measured point are extrapolated linearly.
+        sizes beyond the last measured point are extrapolated linearly. ``shape_points``: target calls
+        of known shape, ``[[tokens, rows, longest query, past, ms], ...]``, for the call-shape model.
         """
         verify, vmed = _fit(verify_points, max_tokens, "verify")
         draft, dmed = _fit(draft_points, max_batch, "draft")
@@ -266,6 +273,8 @@ class CostTable:
                   "draft": {str(k): [float(x) for x in np.atleast_1d(v)] for k, v in draft_points.items()},
                   "verify_median": {str(k): v for k, v in vmed.items()},
                   "draft_median": {str(k): v for k, v in dmed.items()}}
+        if shape_points:
+            points["verify_shapes"] = [[float(x) for x in row] for row in shape_points]
         return cls(verify, draft, meta, points=points, **drift_options)
 
     # -- queries ------------------------------------------------------------------------------------

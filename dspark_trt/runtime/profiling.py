@@ -12,7 +12,9 @@ from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
 
 PROFILE_PAST = 128
-TIMING = "call+kv-write"  # what one measurement spans; a profile timed differently is measured again
+# What one measurement spans and which measurements a profile holds; a profile that differs is measured
+# again. "shapes": target calls of varied shape for the call-shape model (call_shape.py).
+TIMING = "call+kv-write;shapes"
 CHEAP_MS = 5.0  # calls faster than this are timed several times per measurement (median)
 MAX_INNER = 7
 
@@ -46,6 +48,35 @@ def _verify_feeds(rt, tokens: int) -> dict:
     return feeds
 
 
+def _packed_verify_feeds(rt, query_lens: list[int], past: int) -> dict:
+    r = len(query_lens)
+    feeds = pack_queries([[1] * n for n in query_lens], [past] * r, list(range(r)))
+    vl = np.asarray([min(n - 1, rt.max_draft) for n in query_lens], dtype=np.int64)
+    feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
+    feeds["verify_lens"] = vl
+    m = len(feeds["verify_index"])
+    feeds.update(draft_tokens=np.ones(m, np.int64), draft_probs=np.zeros((m, rt.vocab), np.float32),
+                 temperature=np.zeros(r, np.float32), accept_uniforms=np.zeros(m, np.float32),
+                 sample_uniforms=np.zeros(r, np.float32))
+    return feeds
+
+
+def shape_layouts(rt) -> list[tuple[list[int], int]]:
+    """Target-call layouts (query lengths, past) for the call-shape model: even verifies, one deep verify
+    among single tokens, one prompt chunk among single tokens; few and many rows; short and long past."""
+    deep = rt.max_draft + 1
+    rows = sorted({1, min(4, rt.slots_total), min(16, rt.slots_total), rt.slots_total})
+    chunk = min(32, rt.query_len_max)
+    out = []
+    for past in (32, 192):
+        if past + chunk + 1 > rt.max_context:
+            past = max(1, rt.max_context - chunk - 1)
+        for r in rows:
+            layouts = [[1] * r, [min(3, deep)] * r, [deep] * r, [deep] + [1] * (r - 1), [chunk] + [1] * (r - 1)]
+            out += [(q, past) for q in layouts if sum(q) <= rt.max_tokens_per_step]
+    return [(list(q), p) for q, p in dict.fromkeys((tuple(q), p) for q, p in out)]
+
+
 def _draft_feeds(rt, batch: int) -> dict:
     past = min(PROFILE_PAST, rt.max_context - 2)
     feeds = pack_queries([[1]] * batch, [past] * batch, list(range(batch)))
@@ -60,7 +91,7 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
     max_tokens = max_tokens or min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     max_batch = max_batch or rt.slots_total
 
-    def timer(run, make_feeds, cache):
+    def timer(run, make_feeds, cache, past_of=lambda size: PROFILE_PAST):
         # The full call as the runtime makes it: engine run plus writing the new KV entries back (the
         # runtime's drift correction observes the same span, with packing the feeds).
         def once(feeds, past) -> float:
@@ -72,7 +103,7 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
         def ms(size: int) -> float:
             # A call of a millisecond or two is at the mercy of one scheduler hiccup: time cheap calls a
             # few times over and keep their median, so every measurement point weighs ~CHEAP_MS of work.
-            feeds, past = make_feeds(rt, size), cache.past(PROFILE_PAST)
+            feeds, past = make_feeds(rt, size), cache.past(past_of(size))
             times = [once(feeds, past)]
             extra = min(MAX_INNER - 1, math.ceil(CHEAP_MS / max(times[0], 1e-3)) - 1)
             times += [once(feeds, past) for _ in range(max(0, extra))]
@@ -82,8 +113,19 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
     time_verify = timer(rt.backend.run_target, _verify_feeds, rt.target_kv)
     time_draft = timer(rt.backend.run_draft, _draft_feeds, rt.draft_kv)
     vp, dp = profile_points(time_verify, time_draft, max_tokens, max_batch, repeats, progress=progress, warmup=1)
+    layouts = shape_layouts(rt)
+    time_shape = timer(rt.backend.run_target, lambda rt, i: _packed_verify_feeds(rt, *layouts[i]), rt.target_kv,
+                       past_of=lambda i: layouts[i][1])
+    shapes = []
+    from tqdm.auto import tqdm  # lazy: keeps runtime import light
+
+    for i in tqdm(range(len(layouts)), desc="profiling call shapes", unit="shape", disable=not progress):
+        q, past = layouts[i]
+        time_shape(i)  # warm-up: the first call of a new shape pays allocations
+        ms = float(np.median([time_shape(i) for _ in range(max(1, repeats - 1))]))
+        shapes.append([sum(q), len(q), max(q), past, ms])
     return CostTable.from_measurements(vp, dp, profile_meta(rt.manifest, rt.backend.name),
-                                       max_tokens=max_tokens, max_batch=max_batch)
+                                       max_tokens=max_tokens, max_batch=max_batch, shape_points=shapes)
 
 
 def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: int = 3, progress: bool = True):

@@ -20,11 +20,12 @@ import numpy as np
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
-from dspark_trt.runtime.config import GenerationConfig, parse_spec
+from dspark_trt.runtime.config import GenerationConfig
 from dspark_trt.runtime.cost_model import table_lookup
 from dspark_trt.runtime.kv_cache import KVCache
 from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.solver import cap_depth
 from dspark_trt.runtime.spec_guard import SpecGuard
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
@@ -112,10 +113,14 @@ class Runtime:
         self._in_step = False
         self.admit_threshold = 0.0  # break-even (corrected) survival of the last solve
         self._rate = 0.0  # recent output tokens per ms of step time (EW), the value of a millisecond
-        # Recent per-step time outside the engines (EW): scheduling, packing, solving, committing. Every
-        # step pays it whatever it verifies, so it belongs in the constant of the solver's denominator:
-        # ignoring it under-values emitting more tokens per step (on a CPU, ~1 ms of a 7 ms step).
-        self._overhead_ms = 0.0
+        # Recent per-step time outside the engines (EW), for steps without and with drafting: scheduling,
+        # packing, solving, committing. Every step pays it whatever it verifies, so it belongs in the
+        # constant of the solver's denominator (ignoring it under-values emitting more tokens per step:
+        # on a CPU, ~1 ms of a 7 ms step); and a drafting step pays more of it (the draft loop, the
+        # solver, the survival bookkeeping: ~1.5 ms more at 16 requests here), which the draft-depth
+        # planner must charge to drafting at all.
+        self._overhead = {"plain": 0.0, "spec": 0.0}
+        self._overhead_n = {"plain": 0, "spec": 0}
         # Measured check that speculating beats not speculating (spec_guard.py); None: trust the model.
         self.spec_guard: SpecGuard | None = SpecGuard()
         self._arm: str | None = None  # the guard's arm this step (None: the guard was not consulted)
@@ -126,6 +131,7 @@ class Runtime:
         self._plan_cache: dict = {}
         self.plan_headroom, self.stop_factor = PLAN_HEADROOM, STOP_FACTOR
         self._unverified_steps = 0
+        self._past = 0  # longest past of this step's decoding requests (what the verify call attends over)
         self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
 
     # ------------------------------------------------------------------ loading
@@ -341,6 +347,7 @@ class Runtime:
         decode = [r for r in active if r.uncached == 1]
         prefill = [r for r in active if r.uncached > 1]
         n_adaptive = sum(r.mode.kind == "adaptive" for r in decode)
+        self._past = max((r.target_len for r in decode), default=0)  # the verify call attends this far
         if n_adaptive:
             self.adaptive_steps = self._plan_draft_steps(n_adaptive, len(decode))
         spec = [r for r in decode if r.mode.kind != "off" and self._draft_cap(r) > 0]
@@ -352,7 +359,7 @@ class Runtime:
         lengths, solver_us = self._lengths(decode, drafts, draft_ms)
 
         # Target step: decode verifications first, prompt chunks fill the rest of the token budget.
-        queries, past_lens, slots, vlens, rows = [], [], [], [], []
+        queries, vlens = [], []
         budget = self.max_tokens_per_step
         for r in decode:
             L = lengths.get(r.id, 0)
@@ -372,45 +379,28 @@ class Runtime:
         order = decode + [r for r, _ in chunked]
         if not order:
             return True
-        tv = time.perf_counter()  # the verify call's full cost: feeds, engine, KV write
-        past_lens = [r.target_len for r in order]
-        slots = [r.slot for r in order]
-        feeds = pack_queries(queries, past_lens, slots)
-        vl = np.asarray(vlens, dtype=np.int64)
-        feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
-        feeds["verify_lens"] = vl
-        m = len(feeds["verify_index"])
-        draft_tokens = np.zeros(m, dtype=np.int64)
-        draft_probs = np.zeros((m, self.vocab), dtype=np.float32)
-        accept_u = np.zeros(m, dtype=np.float32)
-        sample_u = np.zeros(len(order), dtype=np.float32)
-        temps = np.asarray([r.config.temperature for r in order], dtype=np.float32)
-        row = 0
-        for i, r in enumerate(order):
-            L = int(vl[i])
-            if L:
-                toks, probs = drafts[r.id][:2]
-                draft_tokens[row:row + L] = toks[:L]
-                draft_probs[row:row + L] = probs[:L]
-            if r.sampling:
-                accept_u[row:row + L] = r.accept_draws(L)
-                sample_u[i] = r.sample_draw()
-            row += L + 1
-        feeds.update(draft_tokens=draft_tokens, draft_probs=draft_probs, temperature=temps,
-                     accept_uniforms=accept_u, sample_uniforms=sample_u)
-        te = time.perf_counter()
-        outs, present = self.backend.run_target(feeds, self.target_kv.past(max(past_lens)))
-        target_ms = (time.perf_counter() - te) * 1e3
-        engine_ms += target_ms
-        self.target_kv.write(present, feeds["positions"], token_slots(feeds))
-        verified = int(m)
-        if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
-            # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
-            # writes grow with the tokens verified too.
-            self.cost.observe_verify(int(feeds["tokens"].shape[0]), (time.perf_counter() - tv) * 1e3)
-
-        accepted, next_tok = outs["accepted"], outs["next_token"]
         nd = len(decode)
+        lengths_all = [len(q) for q in queries]
+        past_lens = [r.target_len for r in order]
+        # Prompt chunks get a call of their own when padding every decode row to the chunk's length
+        # would cost more than a second call (call_shape.py).
+        groups = [range(len(order))]
+        if nd and chunked and self._split_prefill(lengths_all[:nd], past_lens[:nd], lengths_all[nd:], past_lens[nd:]):
+            groups = [range(nd), range(nd, len(order))]
+        accepted = np.zeros(len(order), dtype=np.int64)
+        next_tok = np.zeros(len(order), dtype=np.int64)
+        target_ms, target_tokens, verified = 0.0, 0, 0
+        for g in groups:
+            outs, ms, tokens, m = self._run_target([order[i] for i in g], [queries[i] for i in g],
+                                                   [past_lens[i] for i in g], [vlens[i] for i in g], drafts)
+            accepted[g.start:g.stop] = outs["accepted"]
+            next_tok[g.start:g.stop] = outs["next_token"]
+            target_ms += ms
+            target_tokens += tokens
+            verified += m
+        engine_ms += target_ms
+        vl = np.asarray(vlens, dtype=np.int64)
+
         if self.survival_correction is not None:
             # Outcomes are buffered and learned from every few steps: one vectorised update over more
             # rows instead of a numpy round per step.
@@ -425,7 +415,7 @@ class Runtime:
             "decode_requests": nd, "prefill_tokens": int(sum(n for _, n in chunked)),
             "verify_lens": vl[:nd].tolist(), "accepted": [int(min(a, L)) for a, L in zip(accepted[:nd], vl[:nd])],
             "drafted": [len(drafts[r.id][0]) if r.id in drafts else 0 for r in decode],
-            "draft_ms": draft_ms, "target_ms": target_ms, "target_tokens": int(feeds["tokens"].shape[0]),
+            "draft_ms": draft_ms, "target_ms": target_ms, "target_tokens": target_tokens, "target_calls": len(groups),
             "solver_us": solver_us})
         now = time.perf_counter()
         for i, r in enumerate(decode):
@@ -456,11 +446,67 @@ class Runtime:
             self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
             if self._arm is not None:
                 self.spec_guard.record(nd, self._arm, rate)
-            over = max(0.0, wall_ms - engine_ms)
-            self._overhead_ms = over if self._overhead_ms == 0 else 0.95 * self._overhead_ms + 0.05 * over
+            # A running mean for the first 20 steps of a kind, then EW: one slow first step (allocations,
+            # lazy imports) must not dominate for the next hundred.
+            over, kind = max(0.0, wall_ms - engine_ms), "spec" if drafts else "plain"
+            self._overhead_n[kind] += 1
+            w = max(0.05, 1.0 / self._overhead_n[kind])
+            self._overhead[kind] += w * (over - self._overhead[kind])
         self.metrics.record_step(wall_ms, engine_ms, solver_us, verified, len(order),
                                  sum(len(d[0]) for d in drafts.values()))
         return True
+
+    def _run_target(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
+                    drafts: dict):
+        """One target call over these rows; returns (outputs, ms, tokens, verified rows)."""
+        tv = time.perf_counter()  # the call's full cost: feeds, engine, KV write
+        slots = [r.slot for r in order]
+        feeds = pack_queries(queries, past_lens, slots)
+        vl = np.asarray(vlens, dtype=np.int64)
+        feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
+        feeds["verify_lens"] = vl
+        m = len(feeds["verify_index"])
+        draft_tokens = np.zeros(m, dtype=np.int64)
+        draft_probs = np.zeros((m, self.vocab), dtype=np.float32)
+        accept_u = np.zeros(m, dtype=np.float32)
+        sample_u = np.zeros(len(order), dtype=np.float32)
+        temps = np.asarray([r.config.temperature for r in order], dtype=np.float32)
+        row = 0
+        for i, r in enumerate(order):
+            L = int(vl[i])
+            if L:
+                toks, probs = drafts[r.id][:2]
+                draft_tokens[row:row + L] = toks[:L]
+                draft_probs[row:row + L] = probs[:L]
+            if r.sampling:
+                accept_u[row:row + L] = r.accept_draws(L)
+                sample_u[i] = r.sample_draw()
+            row += L + 1
+        feeds.update(draft_tokens=draft_tokens, draft_probs=draft_probs, temperature=temps,
+                     accept_uniforms=accept_u, sample_uniforms=sample_u)
+        te = time.perf_counter()
+        outs, present = self.backend.run_target(feeds, self.target_kv.past(max(past_lens)))
+        ms = (time.perf_counter() - te) * 1e3
+        self.target_kv.write(present, feeds["positions"], token_slots(feeds))
+        tokens = int(feeds["tokens"].shape[0])
+        if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
+            # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
+            # writes grow with the tokens verified too.
+            full = (time.perf_counter() - tv) * 1e3
+            self.cost.observe_verify(tokens, full)
+            if self.cost.call_shape is not None:
+                self.cost.call_shape.observe(tokens, len(order), max(len(q) for q in queries), max(past_lens), full)
+        return outs, ms, tokens, int(m)
+
+    def _split_prefill(self, dec_lens, dec_past, pre_lens, pre_past) -> bool:
+        shape = self.cost.call_shape if self.cost is not None else None
+        if shape is None:
+            return False
+        mixed = shape.ms(sum(dec_lens) + sum(pre_lens), len(dec_lens) + len(pre_lens), max(max(dec_lens), max(pre_lens)),
+                         max(max(dec_past), max(pre_past)))
+        split = (shape.ms(sum(dec_lens), len(dec_lens), max(dec_lens), max(dec_past))
+                 + shape.ms(sum(pre_lens), len(pre_lens), max(pre_lens), max(pre_past)))
+        return split < mixed
 
     # ------------------------------------------------------------------ drafting
     def _plan_draft_steps(self, n_adaptive: int, n_decode: int) -> int:
@@ -499,8 +545,13 @@ class Runtime:
         j = np.arange(k + 1)
         gain = n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
         base = n_decode - n_adaptive
-        cost = self._overhead_ms + j * float(self.cost.draft_ms(n_adaptive)) + np.asarray(
-            self.cost.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
+        shape = self.cost.call_shape
+        if shape is not None:  # every adaptive row padded to 1 + j
+            verify = np.array([shape.ms(base + n_adaptive * (1 + i), n_decode, 1 + i, self._past) for i in j])
+        else:
+            verify = np.asarray(self.cost.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
+        plain, spec = self._overhead_ms("plain"), self._overhead_ms("spec")
+        cost = np.where(j > 0, spec, plain) + j * float(self.cost.draft_ms(n_adaptive)) + verify
         best = int(np.argmax(gain / np.maximum(cost, 1e-9)))
         if best == 0:
             self._since_probe += 1
@@ -663,9 +714,10 @@ class Runtime:
         t = time.perf_counter_ns()
         others = len(decode) - len(adaptive) + sum(lengths.values())
         plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
-                                    _StepCost(self._verify_table(others), draft_ms + self._overhead_ms),
+                                    _StepCost(self._verify_table(others), draft_ms + self._overhead_ms("spec")),
                                     len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
+        exploring = False
         if self.survival_correction is not None:
             # Exploration: survivals that are too pessimistic admit nothing, and then verification never
             # shows that they are wrong. Now and then verify the first draft of every request regardless
@@ -674,6 +726,9 @@ class Runtime:
             if self._unverified_steps >= EXPLORE_EVERY:
                 self._unverified_steps = 0
                 plan = np.minimum(caps, 1)
+                exploring = True
+        if not exploring and plan.any() and self.cost is not None and self.cost.call_shape is not None:
+            plan = self._cap_depth(plan, live, decode, lengths, drafts, draft_ms + self._overhead_ms("spec"))
         for r, L in zip(adaptive, plan):
             lengths[r.id] = int(L)
         # Drafting further than the solver admits is wasted work: stop drafting next step once a
@@ -681,8 +736,24 @@ class Runtime:
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = live[np.arange(live.shape[1])[None, :] < plan[:, None]]
         self.admit_threshold = self._marginal_survival(len(adaptive), float(admitted.sum()), int(plan.sum()),
-                                                       self._verify_table(others), draft_ms + self._overhead_ms)
+                                                       self._verify_table(others), draft_ms + self._overhead_ms("spec"))
         return lengths, solver_us
+
+    def _overhead_ms(self, kind: str) -> float:
+        """Recent time outside the engines of a step without ("plain") or with ("spec") drafting."""
+        other = "spec" if kind == "plain" else "plain"
+        return self._overhead[kind] if self._overhead_n[kind] else self._overhead[other]
+
+    def _cap_depth(self, plan: np.ndarray, live: np.ndarray, decode: list[Request], fixed: dict, drafts: dict,
+                   fixed_ms: float) -> np.ndarray:
+        """Cap adaptive verify lengths where padding every row to the deepest stops paying (solver.cap_depth)."""
+        shape = self.cost.call_shape
+        rows = len(decode)
+        fixed_tokens, fixed_deep = sum(fixed.values()), max(fixed.values(), default=0)
+        base = rows + sum(float(np.sum(drafts[rid][3][:L])) for rid, L in fixed.items() if L)
+        d = cap_depth(plan, live, lambda extra, depth: shape.ms(rows + fixed_tokens + extra, rows, 1 + max(depth, fixed_deep),
+                                                              self._past), fixed_ms, base)
+        return np.minimum(plan, d)
 
     @staticmethod
     def _marginal_survival(requests: int, admitted_sum: float, budget: int, table: np.ndarray,

@@ -42,6 +42,7 @@ import numpy as np
 __all__ = [
     "MONOTONE_ATOL",
     "best_budget",
+    "cap_depth",
     "extend_linear",
     "solve_budget",
     "solve_budget_for_b",
@@ -247,3 +248,33 @@ def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emittin
         return np.zeros(0, np.int64)
     B, _, order = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
     return _lengths(order, B, R)
+
+
+def cap_depth(lengths, survival, call_ms, fixed_ms: float = 0.0, base_gain: float = 0.0) -> int:
+    """The depth cap d that maximises expected output per ms when every row is padded to its longest.
+
+    The budget above prices verified tokens by count; a packed engine call that pads each row to the
+    call's longest query (models/decoder.py) also pays for depth: one request verifying 7 drafts makes
+    every row cost 8. For each cap d from max(lengths) down to 1, expected output is
+    ``base_gain + sum_r S_{r, <= min(L_r, d)}`` and the step costs ``fixed_ms + call_ms(extra tokens,
+    d)``, with ``call_ms(tokens, depth)`` the verify call's time for ``tokens`` verified drafts whose
+    longest row verifies ``depth``. Returns the best d (ties keep the deeper cap; 0 only when nothing
+    is admitted). Capping only removes later slots of a request, which never outrank earlier ones, so
+    it keeps the allocation's lossless structure.
+    """
+    L = np.asarray(lengths, dtype=np.int64)
+    deepest = int(L.max()) if L.size else 0
+    if deepest <= 0:
+        return 0
+    S = np.asarray(survival, dtype=np.float64)
+    cum = np.cumsum(S, axis=1)
+    rows = np.arange(len(L))
+    best, best_rate = deepest, -np.inf
+    for d in range(deepest, 0, -1):
+        Ld = np.minimum(L, d)
+        gain = base_gain + float(np.where(Ld > 0, cum[rows, np.maximum(Ld - 1, 0)], 0.0).sum())
+        ms = fixed_ms + float(call_ms(int(Ld.sum()), d))
+        rate = gain / ms if ms > 0 else np.inf
+        if d == deepest or rate > best_rate * (1 + 1e-9):
+            best, best_rate = d, rate
+    return best

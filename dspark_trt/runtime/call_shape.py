@@ -1,0 +1,90 @@
+"""What one packed engine call costs, by its shape rather than by its token count alone.
+
+The packed attention (models/decoder.py) pads every request's query to the longest one in the call and
+gathers every row's cache up to the call's longest past. So a call's time grows with:
+  - the tokens N (projections, MLP, LM head),
+  - rows x past, R * P (gathering the rows' caches),
+  - the padded attention, R * Lq * (P + Lq) (Lq: the longest query in the call).
+A table indexed by token count cannot tell a call of 32 one-token rows plus one 40-token prompt chunk
+(measured ~110 ms on the tiny pair, ORT on this CPU) from the same rows with the prompt in a call of its
+own (~25 + ~18 ms), nor one request verifying 7 drafts while 31 verify none from an even spread. This
+model can, and the runtime uses it to decide when a prompt chunk gets its own call and how deep a
+step's verification may go before padding every row to that depth stops paying.
+
+Fit: non-negative least squares over the four features (every subset solved, the best feasible one
+kept: four features make that exact and cheap), from calls of known shape timed by the profiler. Online,
+one exponentially weighted log-ratio (observed / predicted) follows the machine's drift.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+FEATURES = ("call", "tokens", "rows_x_past/100", "rows_x_longest_x_span/1000")
+
+
+def features(tokens, rows, longest, past) -> np.ndarray:
+    """Feature rows [n, 4] for call shapes (scalars or equal-length arrays)."""
+    n, r, q, p = (np.asarray(x, dtype=np.float64) for x in (tokens, rows, longest, past))
+    n, r, q, p = np.broadcast_arrays(n, r, q, p)
+    return np.stack([np.ones_like(n), n, r * p / 100.0, r * q * (p + q) / 1000.0], axis=-1)
+
+
+def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """argmin ||x c - y|| subject to c >= 0, for a handful of columns (exhaustive over active sets)."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    best, best_err = np.zeros(x.shape[1]), float(np.sum(y * y))
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            c, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if (c < 0).any():
+                continue
+            err = float(np.sum((x[:, cols] @ c - y) ** 2))
+            if err < best_err:
+                best_err, best = err, np.zeros(x.shape[1])
+                best[list(cols)] = c
+    return best
+
+
+class CallShapeCost:
+    """ms of one engine call from (tokens, rows, longest query, past length); see the module docstring."""
+
+    ALPHA = 0.05  # EW weight of one observed call
+    BOUNDS = (math.log(0.25), math.log(4.0))
+
+    def __init__(self, coef):
+        c = np.asarray(coef, dtype=np.float64)
+        if c.shape != (len(FEATURES),) or not np.isfinite(c).all() or (c < 0).any() or c.sum() <= 0:
+            raise ValueError(f"call-shape coefficients must be {len(FEATURES)} finite values >= 0, not all 0; got {coef!r}")
+        self.coef = c
+        self.log_drift = 0.0
+
+    @classmethod
+    def from_points(cls, points) -> "CallShapeCost":
+        """points: [[tokens, rows, longest, past, ms], ...] (medians or single timings)."""
+        a = np.asarray(points, dtype=np.float64)
+        if a.ndim != 2 or a.shape[1] != 5 or len(a) < len(FEATURES):
+            raise ValueError(f"need at least {len(FEATURES)} call shapes as [tokens, rows, longest, past, ms]")
+        return cls(fit_nonnegative(features(*a[:, :4].T), a[:, 4]))
+
+    def ms(self, tokens: int, rows: int, longest: int, past: int) -> float:
+        """Predicted ms of one call (drift-corrected)."""
+        f = (1.0, tokens, rows * past / 100.0, rows * longest * (past + longest) / 1000.0)
+        c = self.coef
+        return (c[0] * f[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3]) * math.exp(self.log_drift)
+
+    def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float) -> None:
+        """Feed back a measured call; the drift factor follows observed / predicted (bounded)."""
+        pred = self.ms(tokens, rows, longest, past) * math.exp(-self.log_drift)
+        if not (ms > 0 and pred > 0 and math.isfinite(ms)):
+            return
+        d = self.log_drift + self.ALPHA * (math.log(ms / pred) - self.log_drift)
+        self.log_drift = min(max(d, self.BOUNDS[0]), self.BOUNDS[1])
+
+
+def packed_shape(query_lens, past_lens) -> tuple[int, int, int, int]:
+    """(tokens, rows, longest query, past attended) of one packed call."""
+    return int(sum(query_lens)), len(query_lens), int(max(query_lens)), int(max(past_lens))

@@ -1,0 +1,120 @@
+"""The call-shape cost model (runtime/call_shape.py) and the depth cap it drives (solver.cap_depth)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dspark_trt.runtime.call_shape import CallShapeCost, features, fit_nonnegative, packed_shape
+from dspark_trt.runtime.cost_model import CostTable
+from dspark_trt.runtime.solver import cap_depth
+
+# Roughly what the tiny pair measures on this CPU: 6 ms a call, 0.3 ms a token, 0.3 ms per 100 past
+# positions per row, 0.2 ms per 1000 padded attention entries.
+MEASURED = np.array([6.0, 0.3, 0.3, 0.2])
+
+
+def shapes():
+    out = []
+    for past in (32, 192):
+        for rows in (1, 4, 16, 64):
+            for q in ([1] * rows, [3] * rows, [8] * rows, [8] + [1] * (rows - 1), [32] + [1] * (rows - 1)):
+                out.append(packed_shape(q, [past] * rows))
+    return np.array(out, dtype=np.float64)
+
+
+def test_fit_recovers_the_coefficients_of_noiseless_calls():
+    x = shapes()
+    ms = features(*x.T) @ MEASURED
+    model = CallShapeCost.from_points(np.column_stack([x, ms]))
+    np.testing.assert_allclose(model.coef, MEASURED, rtol=1e-6)
+    assert model.ms(40, 16, 8, 100) == pytest.approx(float(features(40, 16, 8, 100) @ MEASURED))
+
+
+def test_fit_never_returns_a_negative_coefficient():
+    x = features(*shapes().T)
+    y = x @ np.array([6.0, 0.3, -0.2, 0.2])  # a negative true term: the best feasible fit drops it
+    c = fit_nonnegative(x, y)
+    assert (c >= 0).all() and c[2] == 0
+    unconstrained, *_ = np.linalg.lstsq(x, y, rcond=None)
+    assert np.sum((x @ c - y) ** 2) >= np.sum((x @ unconstrained - y) ** 2) - 1e-9
+
+
+def test_a_prompt_chunk_among_many_decode_rows_costs_more_mixed_than_in_its_own_call():
+    m = CallShapeCost(MEASURED)
+    decode, prompt = [1] * 32, [40]
+    mixed = m.ms(*packed_shape(decode + prompt, [150] * 33))
+    split = m.ms(*packed_shape(decode, [150] * 32)) + m.ms(*packed_shape(prompt, [0]))
+    assert split < mixed
+    # ... while next to a single decode row, one call is cheaper than two.
+    assert m.ms(*packed_shape([1] + prompt, [150, 0])) < m.ms(*packed_shape([1], [150])) + m.ms(*packed_shape(prompt, [0]))
+
+
+def test_drift_follows_a_uniform_slowdown_and_is_bounded():
+    m = CallShapeCost(MEASURED)
+    base = m.ms(64, 32, 2, 100)
+    for _ in range(300):
+        m.observe(64, 32, 2, 100, 1.5 * base)
+    assert m.ms(64, 32, 2, 100) == pytest.approx(1.5 * base, rel=1e-3)
+    assert m.ms(8, 8, 1, 50) / float(features(8, 8, 1, 50) @ MEASURED) == pytest.approx(1.5, rel=1e-3)
+    for _ in range(300):
+        m.observe(64, 32, 2, 100, 100 * base)
+    assert m.ms(64, 32, 2, 100) == pytest.approx(4.0 * base, rel=1e-3)
+    m.observe(64, 32, 2, 100, float("nan"))  # ignored
+    assert np.isfinite(m.ms(64, 32, 2, 100))
+
+
+@pytest.mark.parametrize("coef", [[0, 0, 0, 0], [1, -1, 0, 0], [1, 2, 3], [np.nan, 1, 1, 1]])
+def test_bad_coefficients_are_refused(coef):
+    with pytest.raises(ValueError):
+        CallShapeCost(coef)
+
+
+def test_cost_table_keeps_the_measured_shapes_through_save_and_load(tmp_path):
+    x = shapes()
+    pts = np.column_stack([x, features(*x.T) @ MEASURED]).tolist()
+    table = CostTable.from_measurements({1: [5.0], 8: [9.0]}, {1: [1.0], 4: [2.0]}, {"backend": "ort"}, shape_points=pts)
+    loaded = CostTable.load(table.save(tmp_path / "p.json"), expect={"backend": "ort"})
+    np.testing.assert_allclose(loaded.call_shape.coef, MEASURED, rtol=1e-6)
+    assert CostTable.from_measurements({1: [5.0]}, {1: [1.0]}).call_shape is None  # old profiles: token table only
+
+
+def test_a_malformed_shape_list_is_a_one_line_error(tmp_path):
+    import json
+
+    from dspark_trt.errors import DsparkError
+
+    table = CostTable.from_measurements({1: [5.0], 8: [9.0]}, {1: [1.0]}, {"backend": "ort"})
+    d = table.to_dict()
+    d["points"]["verify_shapes"] = [[1, 2, 3]]
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    with pytest.raises(DsparkError, match="malformed.*dspark-trt profile"):
+        CostTable.load(tmp_path / "p.json")
+
+
+# ------------------------------------------------------------------------------------- depth cap
+
+def padded_call(rows: int, per_token: float, per_depth: float):
+    """Verify call time: tokens cost per_token each; every extra unit of the longest row's depth costs
+    per_depth for each of `rows` rows (padding)."""
+    return lambda extra, depth: 10.0 + per_token * extra + per_depth * rows * depth
+
+
+def test_without_a_padding_cost_the_solver_lengths_stand():
+    S = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]] + [[0.9, 0.1, 0, 0, 0, 0, 0]] * 15)
+    L = np.array([7] + [1] * 15)
+    assert cap_depth(L, S, padded_call(16, 0.01, 0.0), fixed_ms=2.0, base_gain=16) == 7
+
+
+def test_one_deep_request_among_many_shallow_ones_is_capped_when_padding_is_dear():
+    S = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]] + [[0.9, 0.1, 0, 0, 0, 0, 0]] * 31)
+    L = np.array([7] + [1] * 31)
+    d = cap_depth(L, S, padded_call(32, 0.01, 0.05), fixed_ms=2.0, base_gain=32)
+    assert 1 <= d < 7
+    # Requests that all verify deep and are mostly accepted are worth their padding: nothing is capped.
+    deep = np.tile([0.95, 0.93, 0.91, 0.9, 0.89, 0.88, 0.87], (32, 1))
+    assert cap_depth(np.full(32, 7), deep, padded_call(32, 0.01, 0.05), fixed_ms=2.0, base_gain=32) == 7
+
+
+def test_nothing_admitted_means_no_depth():
+    assert cap_depth(np.zeros(4, dtype=int), np.ones((4, 3)), padded_call(4, 1.0, 1.0)) == 0
