@@ -713,8 +713,9 @@ class Runtime:
             caps[i] = len(s)
         t = time.perf_counter_ns()
         others = len(decode) - len(adaptive) + sum(lengths.values())
+        table = self._verify_table(others, len(decode))
         plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
-                                    _StepCost(self._verify_table(others), draft_ms + self._overhead_ms("spec")),
+                                    _StepCost(table, draft_ms + self._overhead_ms("spec")),
                                     len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
         exploring = False
@@ -736,7 +737,7 @@ class Runtime:
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = live[np.arange(live.shape[1])[None, :] < plan[:, None]]
         self.admit_threshold = self._marginal_survival(len(adaptive), float(admitted.sum()), int(plan.sum()),
-                                                       self._verify_table(others), draft_ms + self._overhead_ms("spec"))
+                                                       table, draft_ms + self._overhead_ms("spec"))
         return lengths, solver_us
 
     def _overhead_ms(self, kind: str) -> float:
@@ -769,12 +770,24 @@ class Runtime:
         rate = (requests + admitted_sum) / cost
         return max(0.0, rate * (table_lookup(table, t + span) - table_lookup(table, t)) / span)
 
-    def _verify_table(self, extra_tokens: int) -> np.ndarray:
-        """Verify cost by verified-token count, shifted by tokens other requests verify anyway."""
+    def _verify_table(self, extra_tokens: int, rows: int = 0) -> np.ndarray:
+        """Verify cost by verified-token count, shifted by tokens other requests verify anyway.
+
+        With a call-shape model the table is this step's: `rows` decode rows attending over this step's
+        past, the extra tokens spread evenly over the rows (the least padding they can cost; the depth
+        cap prices uneven depth). The profile's token table was measured with rows packed 8 tokens
+        deep, so it charges each token a share of a row's cost that a fixed set of rows does not pay."""
         if self.cost is None:
             n = self.max_tokens_per_step + 1
             return np.arange(n, dtype=np.float64) + 1.0  # no profile: cost proportional to tokens
-        table = np.asarray(self.cost.verify_table(), dtype=np.float64)
+        shape = self.cost.call_shape
+        if shape is not None and rows > 0:
+            t = np.arange(self.max_tokens_per_step + 1, dtype=np.float64)
+            longest = 1.0 + np.ceil(np.maximum(t - rows, 0.0) / rows)
+            table = shape.table(t, rows, longest, self._past)
+            table[0] = 0.0
+        else:
+            table = np.asarray(self.cost.verify_table(), dtype=np.float64)
         return table[extra_tokens:] if extra_tokens < len(table) - 1 else table[-2:]
 
     # ------------------------------------------------------------------ committing
