@@ -118,3 +118,11 @@ def test_one_deep_request_among_many_shallow_ones_is_capped_when_padding_is_dear
 
 def test_nothing_admitted_means_no_depth():
     assert cap_depth(np.zeros(4, dtype=int), np.ones((4, 3)), padded_call(4, 1.0, 1.0)) == 0
+
+
+def test_table_agrees_with_single_calls():
+    m = CallShapeCost(MEASURED)
+    m.observe(64, 32, 2, 100, 80.0)
+    t, longest = np.arange(1, 40, dtype=float), np.arange(1, 40, dtype=float) % 8 + 1
+    np.testing.assert_allclose(m.table(t, 16, longest, 120),
+                               [m.ms(int(a), 16, int(b), 120) for a, b in zip(t, longest)], rtol=1e-12)

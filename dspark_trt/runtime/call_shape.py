@@ -76,9 +76,10 @@ class CallShapeCost:
         c = self.coef
         return (c[0] * f[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3]) * math.exp(self.log_drift)
 
-    def table(self, tokens, rows, longest, past) -> np.ndarray:
-        """Vectorised :meth:`ms` over arrays of shapes (drift-corrected)."""
-        return features(tokens, rows, longest, past) @ self.coef * math.exp(self.log_drift)
+    def table(self, tokens: np.ndarray, rows: int, longest: np.ndarray, past: int) -> np.ndarray:
+        """:meth:`ms` over arrays of token counts and longest queries, for one set of rows (drift-corrected)."""
+        c = self.coef * math.exp(self.log_drift)
+        return (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
 
     def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float) -> None:
         """Feed back a measured call; the drift factor follows observed / predicted (bounded)."""

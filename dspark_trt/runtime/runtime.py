@@ -782,7 +782,10 @@ class Runtime:
             return np.arange(n, dtype=np.float64) + 1.0  # no profile: cost proportional to tokens
         shape = self.cost.call_shape
         if shape is not None and rows > 0:
-            t = np.arange(self.max_tokens_per_step + 1, dtype=np.float64)
+            # As far as this step can reach (every row at full depth, plus the marginal span), not the
+            # whole token range: this runs every step.
+            n = min(self.max_tokens_per_step, extra_tokens + rows * (self.max_draft + 1) + 8) + 1
+            t = np.arange(n, dtype=np.float64)
             longest = 1.0 + np.ceil(np.maximum(t - rows, 0.0) / rows)
             table = shape.table(t, rows, longest, self._past)
             table[0] = 0.0
