@@ -129,7 +129,6 @@ class Runtime:
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
         self._probes = 0
         self._plan_cache: dict = {}
-        self.plan_headroom, self.stop_factor = PLAN_HEADROOM, STOP_FACTOR
         self._unverified_steps = 0
         self._past = 0  # longest past of this step's decoding requests (what the verify call attends over)
         self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
@@ -561,7 +560,7 @@ class Runtime:
             self._probing = True
             return 1
         self._since_probe = 0
-        return min(k, best + self.plan_headroom)
+        return min(k, best + PLAN_HEADROOM)
 
     def _probe_subset(self, spec: list[Request]) -> list[Request]:
         """On a probe step only PROBE_REQUESTS adaptive requests draft (taking turns): a draft call's
@@ -653,7 +652,7 @@ class Runtime:
         A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the
         break-even survival of the last solve (`_marginal_survival`, in corrected units). The next token's survival is predicted as
         S_k times the running profile's conditional acceptance at k+1, and a request keeps drafting iff
-        that clears theta * stop_factor. The call itself is made only if the expected surplus
+        that clears theta * STOP_FACTOR. The call itself is made only if the expected surplus
         sum (S_pred - theta) is worth its time at the runtime's recent output rate (tokens per ms); when
         fixed-K requests draft anyway, the call is being made and only the per-request test applies.
         Stopping rules that look only at positions <= k keep sampling lossless.
@@ -665,7 +664,7 @@ class Runtime:
         cond = prior[k] / prior[k - 1] if k < len(prior) and prior[k - 1] > 0 else 0.0
         pred = np.fromiter((corrected[r.id][-1] for r in reqs), np.float64, len(reqs)) * cond
         theta = self.admit_threshold
-        go = pred >= theta * self.stop_factor
+        go = pred >= theta * STOP_FACTOR
         if not go.any():
             return set()
         if CALL_TEST and not fixed_continue and self.cost is not None and self._rate > 0:
