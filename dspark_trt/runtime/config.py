@@ -16,15 +16,19 @@ class SpecMode:
         return f"fixed:{self.k}" if self.kind == "fixed" else self.kind
 
 
+def spec_syntax(spec: str) -> SpecMode:
+    """``"off"`` | ``"fixed:K"`` (K >= 0) | ``"adaptive"``, case and surrounding spaces ignored. The one
+    parser of the syntax; `parse_spec` adds the artifact's limits."""
+    s = str(spec).strip().lower()
+    if s in ("off", "adaptive"):
+        return SpecMode(s)
+    if s.startswith("fixed:") and s[6:].isdigit():
+        return SpecMode("fixed", int(s[6:]))
+    raise DsparkError(f"spec {spec!r} is not one of off, fixed:K, adaptive")
+
+
 def parse_spec(spec: str | SpecMode, max_draft: int | None = None) -> SpecMode:
-    if isinstance(spec, SpecMode):
-        mode = spec
-    elif spec in ("off", "adaptive"):
-        mode = SpecMode(spec)
-    elif isinstance(spec, str) and spec.startswith("fixed:") and spec[6:].isdigit():
-        mode = SpecMode("fixed", int(spec[6:]))
-    else:
-        raise DsparkError(f"spec {spec!r} is not one of off, fixed:K, adaptive")
+    mode = spec if isinstance(spec, SpecMode) else spec_syntax(spec)
     if mode.kind == "fixed":
         if mode.k == 0:
             return SpecMode("off")

@@ -63,18 +63,15 @@ class CostModel(Protocol):
 
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
-    """``"off"`` | ``"fixed:K"`` | ``"adaptive"`` -> (policy, K or None)."""
-    s = str(spec).strip().lower()
-    if s in ("off", "adaptive"):
-        return s, None
-    if s.startswith("fixed:"):
-        try:
-            k = int(s.split(":", 1)[1])
-        except ValueError:
-            k = -1
-        if k >= 0:
-            return "fixed", k
-    raise ValueError(f"spec must be 'off', 'fixed:K' (K >= 0) or 'adaptive'; got {spec!r}")
+    """``"off"`` | ``"fixed:K"`` | ``"adaptive"`` -> (policy, K or None) (syntax: config.spec_syntax)."""
+    from dspark_trt.errors import DsparkError
+    from dspark_trt.runtime.config import spec_syntax
+
+    try:
+        mode = spec_syntax(spec)
+    except DsparkError:
+        raise ValueError(f"spec must be 'off', 'fixed:K' (K >= 0) or 'adaptive'; got {spec!r}") from None
+    return mode.kind, mode.k if mode.kind == "fixed" else None
 
 
 @dataclass
