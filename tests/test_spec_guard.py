@@ -4,11 +4,12 @@ from dspark_trt.runtime import spec_guard
 from dspark_trt.runtime.spec_guard import SpecGuard
 
 
-def run(guard, rates, steps, n_decode=32):
-    """Drive the guard for `steps` steps where each arm yields a fixed output rate; returns the arms run."""
+def run(guard, rates, steps, n_decode=32, model="spec"):
+    """Drive the guard for `steps` steps where each arm yields a fixed output rate and the cost model
+    always chooses `model`; returns the arms run."""
     arms = []
     for _ in range(steps):
-        arm = guard.arm(n_decode)
+        arm = guard.arm(n_decode, model)
         guard.record(n_decode, arm, rates[arm])
         arms.append(arm)
     return arms
@@ -47,3 +48,14 @@ def test_the_first_steps_of_a_segment_are_not_measured():
     assert g.report()[8]["spec_tok_per_ms"] == 1.0
     g.record(n, "plain", 5.0)  # a rate for the arm not running is ignored
     assert g.report()[8]["plain_tok_per_ms"] is None
+
+
+def test_where_the_model_would_not_draft_but_drafting_is_faster_the_guard_drafts():
+    arms = run(SpecGuard(), {"spec": 1.3, "plain": 1.0}, 2000, model="plain")
+    assert arms[: spec_guard.FIRST] == ["plain"] * spec_guard.FIRST  # follows the model until measured
+    assert arms[-500:].count("spec") > 470  # trials of plain every ~230 steps (loss budget)
+
+
+def test_where_the_model_would_not_draft_and_is_right_spec_trials_are_rare():
+    arms = run(SpecGuard(), {"spec": 0.7, "plain": 1.0}, 3000, model="plain")
+    assert "spec" in arms and arms.count("spec") < 0.035 * len(arms)

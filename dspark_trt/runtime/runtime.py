@@ -38,6 +38,7 @@ PROBE_REQUESTS = 4  # ... for this many adaptive requests (in turn): enough to t
 PLAN_HEADROOM = 1  # draft steps planned beyond the prior's optimum, so live survivals can ask for more
 EXPLORE_EVERY = 8  # when the solver admits no draft this many steps running, verify one per request anyway
 CALL_TEST = True  # make a further draft call only if its expected surplus pays for its time
+GUARD_TIE = 0.1  # where the model says drafting loses by less than this, measurement (spec_guard) decides
 STOP_FACTOR = 1.0  # keep drafting while the next survival is predicted above this x the last break-even survival
 
 
@@ -127,6 +128,7 @@ class Runtime:
         self.adaptive_steps = self.max_draft  # draft steps adaptive requests get this step
         self._since_probe = 0
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
+        self._spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
         self._probes = 0
         self._plan_cache: dict = {}
         self._unverified_steps = 0
@@ -532,11 +534,16 @@ class Runtime:
         return steps if self._probing else self._guarded(steps, n_decode)
 
     def _guarded(self, steps: int, n_decode: int) -> int:
-        """The model's draft depth, unless measurement says not speculating is faster at this load."""
-        if steps <= 0 or n_decode < 1 or self.spec_guard is None:
+        """The model's draft depth, unless measurement says the other arm is faster at this load: no
+        drafting where the model would draft, or the smallest planned depth where it would not."""
+        if n_decode < 1 or self.spec_guard is None:
             return steps
-        self._arm = self.spec_guard.arm(n_decode)
-        return steps if self._arm == "spec" else 0
+        if steps <= 0 and self._spec_vs_plain < 1 - GUARD_TIE:
+            return 0  # the model is sure drafting does not pay: no trials of it (probes still run)
+        self._arm = self.spec_guard.arm(n_decode, "spec" if steps > 0 else "plain")
+        if self._arm == "plain":
+            return 0
+        return steps if steps > 0 else min(self.max_draft, 1 + PLAN_HEADROOM)
 
     def _plan_draft_steps_now(self, n_adaptive: int, n_decode: int) -> int:
         k = self.max_draft
@@ -551,7 +558,9 @@ class Runtime:
             verify = np.asarray(self.cost.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
         plain, spec = self._overhead_ms("plain"), self._overhead_ms("spec")
         cost = np.where(j > 0, spec, plain) + j * float(self.cost.draft_ms(n_adaptive)) + verify
-        best = int(np.argmax(gain / np.maximum(cost, 1e-9)))
+        rate = gain / np.maximum(cost, 1e-9)
+        best = int(np.argmax(rate))
+        self._spec_vs_plain = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0
         if best == 0:
             self._since_probe += 1
             if self._since_probe < PROBE_EVERY:
