@@ -443,10 +443,11 @@ class Runtime:
         self._release_finished()
         wall_ms = (time.perf_counter() - t0) * 1e3
         if decode and wall_ms > 0:
-            rate = (nd + int(sum(min(a, L) for a, L in zip(accepted[:nd], vl[:nd])))) / wall_ms
+            emitted = nd + int(sum(min(a, L) for a, L in zip(accepted[:nd], vl[:nd])))
+            rate = emitted / wall_ms
             self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
             if self._arm is not None:
-                self.spec_guard.record(nd, self._arm, rate)
+                self.spec_guard.record(nd, self._arm, emitted, wall_ms)
             # A running mean for the first 20 steps of a kind, then EW: one slow first step (allocations,
             # lazy imports) must not dominate for the next hundred.
             over, kind = max(0.0, wall_ms - engine_ms), "spec" if drafts else "plain"

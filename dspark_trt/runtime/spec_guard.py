@@ -1,22 +1,22 @@
 """A measured guard on the decision to speculate at all.
 
-The solver and the draft-depth planner decide from a step-cost model. When that model is wrong (on a
-CPU in a steady closed loop, arriving prompts' prefill and the draft's catch-up make speculative steps
-cost more than the table says), adaptive speculation can lose to plain decoding at high load. The guard
-settles that question by measurement: per load bucket (number of decode requests, rounded to a power of
-two) it keeps an exponentially weighted output rate (tokens per ms of step wall time) of steps run with
-the model's plan ("spec") and of steps run without drafting ("plain"), runs the better arm, and now
-and then a short trial of the other one so both rates stay current. The first steps of every segment
-are not measured: switching into "spec" makes the draft catch up on everything it skipped.
+The solver and the draft-depth planner decide from a step-cost model and estimated survivals. Near the
+point where drafting stops paying (high load on a CPU) a few points of error in either flip the
+decision, and measured rates are the direct answer. Per load bucket (number of decode requests,
+rounded to a power of two) the guard keeps the output rate (tokens per ms of step wall time) of steps
+run with drafting ("spec") and without ("plain"), runs the cost model's choice unless the other arm is
+measurably faster, and now and then runs a short trial of the arm it is not running so both rates stay
+current. The first steps on an arm are not measured: switching into "spec" makes the draft catch up
+on everything it skipped.
+
+Rates are ratios of exponentially weighted sums (tokens / ms), not averages of per-step ratios, and an
+arm takes over from the model's choice only if it leads by MARGIN plus Z standard errors: one step of a
+single request emits anywhere from 1 to K+1 tokens, so at low load a handful of steps says little,
+while at high load every step averages over many requests and the guard decides quickly.
 
 Trials cost throughput when one arm is clearly better, so their spacing grows with the measured gap:
 a trial of TRIAL_LEN steps comes after about TRIAL_LEN * (gap / LOSS_BUDGET - 1) steps of the better
 arm, which keeps the expected loss near LOSS_BUDGET (and the spacing within [MIN_EVERY, MAX_EVERY]).
-
-The guard is consulted whatever the model says: where the model would not draft but measurement says
-speculating is faster by MARGIN, the guard runs "spec" (the runtime then drafts at the planner's
-smallest depth); until both arms are measured it follows the model. Near a tie the model's estimate of
-acceptance is the weak part (a few points of survival flip it), while the measured rates are direct.
 
 Lossless sampling is unaffected: the arm of a step depends only on earlier steps' timings.
 """
@@ -32,8 +32,37 @@ SKIP = 2  # steps at the start of a segment that are not measured
 MIN_EVERY, MAX_EVERY = 48, 1000
 FIRST = 16  # steps of the model's arm before the first trial of the other in a new bucket
 LOSS_BUDGET = 0.01
-MARGIN = 0.03  # "plain" must beat "spec" by this much to take over
-ALPHA = 0.2
+MARGIN = 0.03  # the other arm must be this much faster than the model's choice to take over ...
+Z = 2.0  # ... plus this many standard errors of the difference
+ALPHA = 0.05  # weight of one step in an arm's sums (~20 steps of memory, across trials)
+
+
+class _Rate:
+    """Exponentially weighted sums of tokens and ms per step, for a ratio estimate and its error."""
+
+    __slots__ = ("t", "m", "tt", "tm", "mm", "n")
+
+    def __init__(self):
+        self.t = self.m = self.tt = self.tm = self.mm = self.n = 0.0
+
+    def add(self, tokens: float, ms: float) -> None:
+        d = 1.0 - ALPHA
+        self.t, self.m = d * self.t + tokens, d * self.m + ms
+        self.tt, self.tm, self.mm = d * self.tt + tokens * tokens, d * self.tm + tokens * ms, d * self.mm + ms * ms
+        self.n = d * self.n + 1.0
+
+    @property
+    def value(self) -> float | None:
+        return self.t / self.m if self.m > 0 else None
+
+    @property
+    def stderr(self) -> float:
+        """Delta-method standard error of t/m: residuals tokens - rate * ms, summed over the window."""
+        if self.m <= 0 or self.n < 2:
+            return math.inf
+        r = self.t / self.m
+        resid = max(0.0, self.tt - 2 * r * self.tm + r * r * self.mm)
+        return math.sqrt(resid * self.n / (self.n - 1)) / self.m
 
 
 class _Bucket:
@@ -43,7 +72,7 @@ class _Bucket:
         self.arm = None  # the arm of the last step
         self.left, self.pos = FIRST, 0  # steps until the next trial (or until a trial ends); steps on this arm
         self.trial: str | None = None  # the arm on trial, while one runs
-        self.rate = {"spec": None, "plain": None}
+        self.rate = {"spec": _Rate(), "plain": _Rate()}
 
 
 class SpecGuard:
@@ -56,15 +85,15 @@ class SpecGuard:
 
     @staticmethod
     def _preferred(b: _Bucket, model: str) -> tuple[str, float]:
-        """The better arm and its measured lead; the model's arm unless the other leads by MARGIN."""
-        rs, rp = b.rate["spec"], b.rate["plain"]
-        if rs is None or rp is None:
+        """The arm to run outside trials and its measured lead over the other (0 if unknown)."""
+        other = "plain" if model == "spec" else "spec"
+        rm, ro = b.rate[model], b.rate[other]
+        vm, vo = rm.value, ro.value
+        if vm is None or vo is None or vm <= 0:
             return model, 0.0
-        if model == "spec" and rp > rs * (1 + MARGIN):
-            return "plain", rp / rs - 1
-        if model == "plain" and rs > rp * (1 + MARGIN):
-            return "spec", rs / rp - 1
-        return model, max(0.0, (rs / rp if model == "spec" else rp / rs) - 1)
+        if vo > vm * (1 + MARGIN) + Z * math.hypot(rm.stderr, ro.stderr):
+            return other, vo / vm - 1
+        return model, max(0.0, vm / vo - 1) if vo > 0 else 0.0
 
     def arm(self, n_decode: int, model: str = "spec") -> str:
         """The arm to run this step ("spec" or "plain") for this load. `model` is the cost model's choice,
@@ -83,15 +112,14 @@ class SpecGuard:
         b.arm = arm
         return arm
 
-    def record(self, n_decode: int, arm: str, tokens_per_ms: float) -> None:
-        """Feed back the output rate of a step that ran `arm` (the first SKIP steps on an arm are not
-        measured: switching into "spec" makes the draft catch up)."""
+    def record(self, n_decode: int, arm: str, tokens: float, ms: float) -> None:
+        """Feed back a step that ran `arm`: output tokens and wall ms (the first SKIP steps on an arm are
+        not measured)."""
         b = self._b.get(self.bucket(n_decode))
-        if b is None or arm != b.arm or b.pos <= SKIP or not tokens_per_ms > 0:
+        if b is None or arm != b.arm or b.pos <= SKIP or not (ms > 0 and tokens >= 0):
             return
-        old = b.rate[arm]
-        b.rate[arm] = tokens_per_ms if old is None else (1 - ALPHA) * old + ALPHA * tokens_per_ms
+        b.rate[arm].add(float(tokens), float(ms))
 
     def report(self) -> dict:
-        return {1 << k: {"arm": b.arm, "spec_tok_per_ms": b.rate["spec"], "plain_tok_per_ms": b.rate["plain"]}
+        return {1 << k: {"arm": b.arm, "spec_tok_per_ms": b.rate["spec"].value, "plain_tok_per_ms": b.rate["plain"].value}
                 for k, b in sorted(self._b.items())}
