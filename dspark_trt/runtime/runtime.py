@@ -129,6 +129,7 @@ class Runtime:
         self._since_probe = 0
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
         self._spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
+        self._cond_cache: list[float] | None = None  # this step's profile conditionals (_keep_drafting)
         self._probes = 0
         self._plan_cache: dict = {}
         self._unverified_steps = 0
@@ -617,6 +618,7 @@ class Runtime:
                 r.draft_len += c
         current = list(reqs)
         queries = [r.tokens[r.draft_len:] for r in current]
+        self._cond_cache = None
         prev = {r.id: 1.0 for r in reqs}
         # Survivals as the solver will see them (online-corrected), kept up as drafting goes.
         shifts = self.survival_correction.active_shifts() if self.survival_correction is not None else None
@@ -670,18 +672,21 @@ class Runtime:
         if not reqs:
             return set()
         k = drafted
-        prior = self.controller.prior_row(self.max_draft)
-        cond = prior[k] / prior[k - 1] if k < len(prior) and prior[k - 1] > 0 else 0.0
-        pred = np.fromiter((corrected[r.id][-1] for r in reqs), np.float64, len(reqs)) * cond
+        if self._cond_cache is None:  # the profile's conditional acceptance per position, once per step
+            prior = [float(x) for x in self.controller.prior_row(self.max_draft)]
+            self._cond_cache = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(prior, prior[1:])]
+        cond = self._cond_cache[k] if k < len(self._cond_cache) else 0.0
         theta = self.admit_threshold
-        go = pred >= theta * STOP_FACTOR
-        if not go.any():
-            return set()
+        bar = theta * STOP_FACTOR
+        pred = {r.id: corrected[r.id][-1] * cond for r in reqs}
+        keep = {rid for rid, p in pred.items() if p >= bar}
+        if not keep:
+            return keep
         if CALL_TEST and not fixed_continue and self.cost is not None and self._rate > 0:
-            surplus = float(np.maximum(pred[go] - theta, 0.0).sum())
-            if surplus < self._rate * float(self.cost.draft_ms(int(go.sum()))):
+            surplus = sum(max(pred[rid] - theta, 0.0) for rid in keep)
+            if surplus < self._rate * float(self.cost.draft_ms(len(keep))):
                 return set()
-        return {r.id for r, g in zip(reqs, go) if g}
+        return keep
 
     def _run_draft(self, reqs, queries, prev_survival, positions):
         t0 = time.perf_counter()

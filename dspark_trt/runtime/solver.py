@@ -267,14 +267,15 @@ def cap_depth(lengths, survival, call_ms, fixed_ms: float = 0.0, base_gain: floa
     if deepest <= 0:
         return 0
     S = np.asarray(survival, dtype=np.float64)
-    cum = np.cumsum(S, axis=1)
-    rows = np.arange(len(L))
-    best, best_rate = deepest, -np.inf
-    for d in range(deepest, 0, -1):
-        Ld = np.minimum(L, d)
-        gain = base_gain + float(np.where(Ld > 0, cum[rows, np.maximum(Ld - 1, 0)], 0.0).sum())
-        ms = fixed_ms + float(call_ms(int(Ld.sum()), d))
-        rate = gain / ms if ms > 0 else np.inf
-        if d == deepest or rate > best_rate * (1 + 1e-9):
-            best, best_rate = d, rate
+    # Expected accepted drafts of each row at each cap d = 1..deepest: cumulative survival at min(L, d).
+    cum = np.concatenate([np.zeros((len(L), 1)), np.cumsum(S[:, :deepest], axis=1)], axis=1)
+    capped = np.minimum(L[None, :], np.arange(1, deepest + 1)[:, None])  # (deepest, R)
+    gain = base_gain + cum[np.arange(len(L))[None, :], capped].sum(axis=1)
+    ms = fixed_ms + np.array([float(call_ms(int(t), d)) for d, t in enumerate(capped.sum(axis=1), start=1)])
+    rate = np.divide(gain, ms, out=np.full(deepest, np.inf), where=ms > 0)
+    # The deepest cap unless a shallower one is strictly better (ties keep the deeper cap).
+    best = deepest
+    for d in range(deepest - 1, 0, -1):
+        if rate[d - 1] > rate[best - 1] * (1 + 1e-9):
+            best = d
     return best
