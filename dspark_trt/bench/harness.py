@@ -210,16 +210,8 @@ def run_metrics(step_log: list[dict], snapshots: list[dict], max_draft: int, cos
 def _wait_idle(rt, timeout: float = 30.0) -> None:
     """Wait until the runtime's worker has finished its last step (requests complete inside a step,
     before the step's metrics are recorded)."""
-    end = time.monotonic() + timeout
-    m = rt.metrics
-    while time.monotonic() < end:
-        with rt._lock:
-            busy = bool(rt.waiting) or any(r is not None for r in rt.slots)
-        logged = len(m.step_log)
-        if not busy and (m.steps == logged or logged == m.step_log.maxlen):
-            return
-        time.sleep(0.002)
-    raise DsparkError("the runtime did not go idle after a benchmark run (a step hung?); rerun with --debug")
+    if not rt.wait_idle(timeout):
+        raise DsparkError("the runtime did not go idle after a benchmark run (a step hung?); rerun with --debug")
 
 
 def _closed_loop(rt, prompts, mode: str, concurrency: int, n_requests: int, max_new_tokens: int,
