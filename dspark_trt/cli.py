@@ -128,15 +128,21 @@ def profile(artifact_dir, backend, repeats):
                    "for the plain DSpark head on [h ; e(x_prev)].")
 @click.option("--contexts", "num_contexts", default=None, type=click.IntRange(1),
               help="Contexts rolled out for training (x max-draft labelled positions) [default: 4096].")
+@click.option("--prev-embed/--no-prev-embed", default=True,
+              help="Learn the previous-token embedding e(x_prev) (default), or keep it at zero: the head is then "
+                   "sigmoid(w . [h ; s] + b) in the same exported form. A learned table overfits rare tokens "
+                   "with little data (the bundled head uses --no-prev-embed).")
 @click.option("--seed", default=0, type=int)
 @click.option("--force", is_flag=True, help="Overwrite an existing head.")
-def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, labels, stats, num_contexts, seed, force):
+def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, labels, stats, num_contexts, prev_embed,
+               seed, force):
     """Train the confidence head on real acceptance labels."""
     from dspark_trt.training.head_training import train_head as run
 
     names = [] if stats.strip().lower() in ("", "none") else [n.strip() for n in stats.split(",") if n.strip()]
     path = run(target_dir, draft_dir, data, out_dir=out_dir, max_draft=max_draft, steps=steps, rank=rank,
-               labels=labels, seed=seed, overwrite=force, stats=names, num_contexts=num_contexts)
+               labels=labels, seed=seed, overwrite=force, stats=names, num_contexts=num_contexts,
+               prev_embed=prev_embed)
     click.echo(f"wrote {path}")
 
 

@@ -182,6 +182,41 @@ def test_fit_head_learns_a_linear_signal():
     assert stats.val_loss < stats.val_loss_init
 
 
+def test_no_prev_embed_keeps_the_table_at_zero_and_does_not_memorise_rare_tokens():
+    """The previous token is pure noise over a large vocabulary (most tokens rare): a learned table
+    memorises the training rows' tokens and ranks new rows worse; prev_embed=False keeps e(x_prev) and
+    its weights at zero (same head form, logits independent of x_prev) and generalises better."""
+    rng = np.random.default_rng(0)
+    n, k, h, v = 1200, 3, 8, 3000
+    hidden = rng.normal(size=(n, k, h)).astype(np.float32)
+    prev = rng.integers(0, v, size=(n, k))
+    label = (rng.uniform(size=(n, k)) < 1 / (1 + np.exp(-1.5 * hidden[..., 0]))).astype(np.float32)
+    tr, te = slice(0, 800), slice(800, None)
+    kw = dict(vocab_size=v, rank=1, steps=300, seed=0, progress=False)
+    learned, _ = fit_head(hidden[tr], prev[tr], label[tr], np.ones((800, k)), **kw)
+    fixed, fit = fit_head(hidden[tr], prev[tr], label[tr], np.ones((800, k)), prev_embed=False, **kw)
+    assert learned.token_embed.weight.abs().max() > 0.1
+    assert float(fixed.token_embed.weight.detach().abs().max()) == 0.0
+    assert float(fixed.proj.weight.detach()[0, h:].abs().max()) == 0.0
+    assert (fixed.hidden_size, fixed.vocab_size, fixed.rank) == (h, v, 1)
+    z = head_logits(fixed, hidden[te], prev[te])
+    np.testing.assert_array_equal(z, head_logits(fixed, hidden[te], np.zeros_like(prev[te])))
+    assert auroc(z, label[te]) > auroc(head_logits(learned, hidden[te], prev[te]), label[te]) + 0.01
+    assert fit.val_loss < fit.val_loss_init
+
+
+def test_train_head_cli_no_prev_embed(pair, tmp_path, small_defaults):
+    out = tmp_path / "head"
+    res = CliRunner().invoke(cli, ["train-head", "--target", str(pair / "target"), "--draft", str(pair / "draft"),
+                                   "--data", str(pair / "data"), "--out", str(out), "--max-draft", "3", "--steps",
+                                   "30", "--rank", "1", "--labels", "greedy", "--no-prev-embed"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    meta = json.loads((out / HEAD_CONFIG).read_text())
+    assert meta["training"]["prev_embed"] is False and meta["rank"] == 1
+    head = load_head(out)
+    assert float(head.token_embed.weight.detach().abs().max()) == 0.0
+
+
 def test_train_head_cli_end_to_end_and_force(pair, tmp_path, small_defaults):
     out = tmp_path / "head"
     args = ["train-head", "--target", str(pair / "target"), "--draft", str(pair / "draft"), "--data",
@@ -195,6 +230,7 @@ def test_train_head_cli_end_to_end_and_force(pair, tmp_path, small_defaults):
     assert head.temperatures == [1.0, 1.0, 1.0]
     meta = json.loads((out / HEAD_CONFIG).read_text())
     assert meta["training"]["labels"] == "expected" and meta["training"]["rollout"]["num_contexts"] == 96
+    assert meta["training"]["prev_embed"] is True  # the default: the table is learned
     assert meta["stats"] == ["log_max_prob", "entropy", "log_margin"] == list(head.stats)  # the default
     before = (out / HEAD_WEIGHTS).read_bytes()
 
