@@ -36,18 +36,30 @@ def test_close_rates_keep_spec_and_buckets_are_separate():
     assert set(g.report()) == {1, 32}
 
 
-def test_the_first_steps_of_a_segment_are_not_measured():
+def test_a_switch_into_spec_pays_its_catch_up_in_the_spec_rate():
+    """Spec emits 1.2 tokens/ms in steady state, but the first step after every plain stretch carries the
+    draft's catch-up (here 50 ms): the measured spec rate includes it, so trials of spec that keep
+    paying a catch-up do not make spec look better than it is."""
     g = SpecGuard()
-    n = 8
-    for i in range(spec_guard.SKIP):
-        arm = g.arm(n)
-        g.record(n, arm, 100.0, 1.0)  # e.g. the draft catching up after a switch
-    assert g.report()[8]["spec_tok_per_ms"] is None
-    arm = g.arm(n)
-    g.record(n, arm, 10.0, 10.0)
-    assert g.report()[8]["spec_tok_per_ms"] == 1.0
-    g.record(n, "plain", 50.0, 10.0)  # a rate for the arm not running is ignored
-    assert g.report()[8]["plain_tok_per_ms"] is None
+    arm = g.arm(64)
+    g.record(64, arm, 12.0, 60.0)  # 10 ms of steps + 50 ms catch-up
+    for _ in range(5):
+        g.record(64, g.arm(64), 12.0, 10.0)
+    assert g.report()[64]["spec_tok_per_ms"] < 1.0
+    g.record(64, "plain", 50.0, 10.0)  # a step of the arm not running is ignored
+    assert g.report()[64]["plain_tok_per_ms"] is None
+
+
+def test_near_a_tie_the_guard_stays_on_its_arm_while_the_model_flips():
+    g = SpecGuard()
+    arms = []
+    for i in range(600):
+        model = "spec" if (i // 3) % 2 == 0 else "plain"  # a model flipping every 3 steps
+        arm = g.arm(32, model)
+        g.record(32, arm, 32.0 * (1.0 if arm == "plain" else 1.01), 30.0)
+        arms.append(arm)
+    flips = sum(a != b for a, b in zip(arms[200:], arms[201:]))
+    assert flips < 20  # trials only, not every model flip
 
 
 def test_where_the_model_would_not_draft_but_drafting_is_faster_the_guard_drafts():
@@ -81,8 +93,6 @@ def test_noisy_low_load_steps_do_not_flip_the_model_choice():
 
 def test_rates_are_ratios_of_sums():
     g = SpecGuard()
-    for _ in range(spec_guard.SKIP):
-        g.record(4, g.arm(4), 0.0, 1.0)
     for tokens, ms in ((1, 10.0), (10, 10.0)):  # per-step rates 0.1 and 1.0 per ms
         g.record(4, g.arm(4), tokens, ms)
     d = 1 - spec_guard.ALPHA

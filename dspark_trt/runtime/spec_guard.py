@@ -4,10 +4,11 @@ The solver and the draft-depth planner decide from a step-cost model and estimat
 point where drafting stops paying (high load on a CPU) a few points of error in either flip the
 decision, and measured rates are the direct answer. Per load bucket (number of decode requests,
 rounded to a power of two) the guard keeps the output rate (tokens per ms of step wall time) of steps
-run with drafting ("spec") and without ("plain"), runs the cost model's choice unless the other arm is
-measurably faster, and now and then runs a short trial of the arm it is not running so both rates stay
-current. The first steps on an arm are not measured: switching into "spec" makes the draft catch up
-on everything it skipped.
+run with drafting ("spec") and without ("plain"), runs the cost model's choice until both arms are
+measured and then the arm it is on unless the other is measurably faster, and now and then runs a short
+trial of the arm it is not running so both rates stay current. Switching into "spec" makes the draft
+catch up on everything it skipped; those steps count against "spec", since that is what switching
+costs (at 64 requests, hundreds of tokens per request after a long plain stretch).
 
 Rates are ratios of exponentially weighted sums (tokens / ms), not averages of per-step ratios, and an
 arm takes over from the model's choice only if it leads by MARGIN plus Z standard errors: one step of a
@@ -28,7 +29,6 @@ import math
 __all__ = ["SpecGuard"]
 
 TRIAL_LEN = 8
-SKIP = 2  # steps at the start of a segment that are not measured
 MIN_EVERY, MAX_EVERY = 48, 1000
 FIRST = 16  # steps of the model's arm before the first trial of the other in a new bucket
 LOSS_BUDGET = 0.01
@@ -66,11 +66,12 @@ class _Rate:
 
 
 class _Bucket:
-    __slots__ = ("arm", "left", "pos", "rate", "trial")
+    __slots__ = ("arm", "home", "left", "rate", "trial")
 
     def __init__(self):
         self.arm = None  # the arm of the last step
-        self.left, self.pos = FIRST, 0  # steps until the next trial (or until a trial ends); steps on this arm
+        self.home = None  # the arm run outside trials
+        self.left = FIRST  # steps until the next trial (or until the running trial ends)
         self.trial: str | None = None  # the arm on trial, while one runs
         self.rate = {"spec": _Rate(), "plain": _Rate()}
 
@@ -85,38 +86,43 @@ class SpecGuard:
 
     @staticmethod
     def _preferred(b: _Bucket, model: str) -> tuple[str, float]:
-        """The arm to run outside trials and its measured lead over the other (0 if unknown)."""
-        other = "plain" if model == "spec" else "spec"
-        rm, ro = b.rate[model], b.rate[other]
-        vm, vo = rm.value, ro.value
-        if vm is None or vo is None or vm <= 0:
+        """The arm to run outside trials and its measured lead over the other (0 if unknown).
+
+        Until both arms are measured: the model's. Then the home arm stays unless the other leads by
+        MARGIN plus Z standard errors (every switch into "spec" costs a draft catch-up, so following a
+        model that flips near a tie costs more than either arm)."""
+        rs, rp = b.rate["spec"], b.rate["plain"]
+        vs, vp = rs.value, rp.value
+        if vs is None or vp is None or vs <= 0 or vp <= 0 or b.home is None:
             return model, 0.0
-        if vo > vm * (1 + MARGIN) + Z * math.hypot(rm.stderr, ro.stderr):
-            return other, vo / vm - 1
-        return model, max(0.0, vm / vo - 1) if vo > 0 else 0.0
+        current = b.home
+        other = "plain" if current == "spec" else "spec"
+        vc, vo = (vs, vp) if current == "spec" else (vp, vs)
+        if vo > vc * (1 + MARGIN) + Z * math.hypot(rs.stderr, rp.stderr):
+            return other, vo / vc - 1
+        return current, max(0.0, vc / vo - 1)
 
     def arm(self, n_decode: int, model: str = "spec") -> str:
-        """The arm to run this step ("spec" or "plain") for this load. `model` is the cost model's choice,
-        followed unless measurement says the other arm is faster (and during trials of the other arm)."""
+        """The arm to run this step ("spec" or "plain") for this load; `model` is the cost model's choice."""
         b = self._b.setdefault(self.bucket(n_decode), _Bucket())
         pref, gap = self._preferred(b, model)
+        if b.trial is None:
+            b.home = pref
         if b.left <= 0:
             if b.trial is not None:  # a trial ended: the better arm for a while
                 b.trial = None
                 b.left = int(min(MAX_EVERY, max(MIN_EVERY, TRIAL_LEN * (gap / LOSS_BUDGET - 1))))
             else:
-                b.trial, b.left = ("plain" if pref == "spec" else "spec"), TRIAL_LEN + SKIP
+                b.trial, b.left = ("plain" if b.home == "spec" else "spec"), TRIAL_LEN
         b.left -= 1
-        arm = b.trial or pref
-        b.pos = b.pos + 1 if arm == b.arm else 1
-        b.arm = arm
-        return arm
+        b.arm = b.trial or b.home
+        return b.arm
 
     def record(self, n_decode: int, arm: str, tokens: float, ms: float) -> None:
-        """Feed back a step that ran `arm`: output tokens and wall ms (the first SKIP steps on an arm are
-        not measured)."""
+        """Feed back a step that ran `arm`: output tokens and wall ms. Every step counts, including the
+        draft's catch-up after a switch into "spec": that is what switching costs."""
         b = self._b.get(self.bucket(n_decode))
-        if b is None or arm != b.arm or b.pos <= SKIP or not (ms > 0 and tokens >= 0):
+        if b is None or arm != b.arm or not (ms > 0 and tokens >= 0):
             return
         b.rate[arm].add(float(tokens), float(ms))
 
