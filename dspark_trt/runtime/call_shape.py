@@ -58,7 +58,8 @@ class CallShapeCost:
     def __init__(self, coef):
         c = np.asarray(coef, dtype=np.float64)
         if c.shape != (len(FEATURES),) or not np.isfinite(c).all() or (c < 0).any() or c.sum() <= 0:
-            raise ValueError(f"call-shape coefficients must be {len(FEATURES)} finite values >= 0, not all 0; got {coef!r}")
+            raise ValueError(f"call-shape coefficients must be {len(FEATURES)} finite values >= 0, not all 0; "
+                             f"got {coef!r}")
         self.coef = c
         self.log_drift = 0.0
 

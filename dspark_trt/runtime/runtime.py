@@ -480,7 +480,8 @@ class Runtime:
             if L:
                 toks, probs = drafts[r.id][:2]
                 draft_tokens[row:row + L] = toks[:L]
-                draft_probs[row:row + L] = probs[:L]
+                if r.sampling:  # greedy acceptance never reads the draft's distribution
+                    draft_probs[row:row + L] = probs[:L]
             if r.sampling:
                 accept_u[row:row + L] = r.accept_draws(L)
                 sample_u[i] = r.sample_draw()
@@ -505,8 +506,8 @@ class Runtime:
         shape = self.cost.call_shape if self.cost is not None else None
         if shape is None:
             return False
-        mixed = shape.ms(sum(dec_lens) + sum(pre_lens), len(dec_lens) + len(pre_lens), max(max(dec_lens), max(pre_lens)),
-                         max(max(dec_past), max(pre_past)))
+        mixed = shape.ms(sum(dec_lens) + sum(pre_lens), len(dec_lens) + len(pre_lens),
+                         max(max(dec_lens), max(pre_lens)), max(max(dec_past), max(pre_past)))
         split = (shape.ms(sum(dec_lens), len(dec_lens), max(dec_lens), max(dec_past))
                  + shape.ms(sum(pre_lens), len(pre_lens), max(pre_lens), max(pre_past)))
         return split < mixed
@@ -591,7 +592,8 @@ class Runtime:
         return max(0, min(k, room_new, room_ctx))
 
     def _draft(self, reqs: list[Request]):
-        """Run draft steps; returns ({request id: (tokens, probs [k, V], survival [k])}, engine ms)."""
+        """Run draft steps; returns ({request id: (tokens, probs: k rows [V], survival [k], corrected
+        survival [k])}, engine ms)."""
         caps = {r.id: self._draft_cap(r) for r in reqs}
         toks = {r.id: [] for r in reqs}
         probs = {r.id: [] for r in reqs}
@@ -652,7 +654,8 @@ class Runtime:
         for r in reqs:
             r.draft_len = len(r.tokens)
             r.draft_rounds += 1
-        out = {r.id: (toks[r.id], np.stack(probs[r.id]), np.asarray(surv[r.id], dtype=np.float32), corr[r.id])
+        # probs stay a list of [V] rows (stacked into draft_probs only for sampling requests)
+        out = {r.id: (toks[r.id], probs[r.id], np.asarray(surv[r.id], dtype=np.float32), corr[r.id])
                for r in reqs}
         for r in reqs:
             r.stats.drafted_tokens += len(toks[r.id])
@@ -766,8 +769,11 @@ class Runtime:
         rows = len(decode)
         fixed_tokens, fixed_deep = sum(fixed.values()), max(fixed.values(), default=0)
         base = rows + sum(float(np.sum(drafts[rid][3][:L])) for rid, L in fixed.items() if L)
-        d = cap_depth(plan, live, lambda extra, depth: shape.ms(rows + fixed_tokens + extra, rows, 1 + max(depth, fixed_deep),
-                                                              self._past), fixed_ms, base)
+
+        def call_ms(extra: int, depth: int) -> float:
+            return shape.ms(rows + fixed_tokens + extra, rows, 1 + max(depth, fixed_deep), self._past)
+
+        d = cap_depth(plan, live, call_ms, fixed_ms, base)
         return np.minimum(plan, d)
 
     @staticmethod

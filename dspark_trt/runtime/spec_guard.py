@@ -127,5 +127,5 @@ class SpecGuard:
         b.rate[arm].add(float(tokens), float(ms))
 
     def report(self) -> dict:
-        return {1 << k: {"arm": b.arm, "spec_tok_per_ms": b.rate["spec"].value, "plain_tok_per_ms": b.rate["plain"].value}
-                for k, b in sorted(self._b.items())}
+        return {1 << k: {"arm": b.arm, "spec_tok_per_ms": b.rate["spec"].value,
+                         "plain_tok_per_ms": b.rate["plain"].value} for k, b in sorted(self._b.items())}
