@@ -33,22 +33,15 @@ def profile_meta(manifest: dict, backend: str) -> dict:
 
 
 def _verify_feeds(rt, tokens: int) -> dict:
+    """`tokens` tokens in rows of at most max_draft + 1 (dense verifies), each row at PROFILE_PAST."""
     per = rt.max_draft + 1
     r = max(1, min(rt.slots_total, math.ceil(tokens / per)))
     sizes = [tokens // r + (1 if i < tokens % r else 0) for i in range(r)]
-    past = min(PROFILE_PAST, rt.max_context - per - 1)
-    feeds = pack_queries([[1] * n for n in sizes], [past] * r, list(range(r)))
-    vl = np.asarray([n - 1 for n in sizes], dtype=np.int64)
-    feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
-    feeds["verify_lens"] = vl
-    m = len(feeds["verify_index"])
-    feeds.update(draft_tokens=np.ones(m, np.int64), draft_probs=np.zeros((m, rt.vocab), np.float32),
-                 temperature=np.zeros(r, np.float32), accept_uniforms=np.zeros(m, np.float32),
-                 sample_uniforms=np.zeros(r, np.float32))
-    return feeds
+    return _packed_verify_feeds(rt, sizes, min(PROFILE_PAST, rt.max_context - per - 1))
 
 
 def _packed_verify_feeds(rt, query_lens: list[int], past: int) -> dict:
+    """A target call over rows of these query lengths at this past (each row verifies up to max_draft)."""
     r = len(query_lens)
     feeds = pack_queries([[1] * n for n in query_lens], [past] * r, list(range(r)))
     vl = np.asarray([min(n - 1, rt.max_draft) for n in query_lens], dtype=np.int64)
