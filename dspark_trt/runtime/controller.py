@@ -45,6 +45,8 @@ from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
+from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.config import spec_syntax
 from dspark_trt.runtime.solver import best_budget, solve_budget, solve_budget_for_b
 
 __all__ = ["AdaptiveController", "ControllerMetrics", "CostModel", "parse_spec"]
@@ -64,9 +66,6 @@ class CostModel(Protocol):
 
 def parse_spec(spec: str) -> tuple[str, int | None]:
     """``"off"`` | ``"fixed:K"`` | ``"adaptive"`` -> (policy, K or None) (syntax: config.spec_syntax)."""
-    from dspark_trt.errors import DsparkError
-    from dspark_trt.runtime.config import spec_syntax
-
     try:
         mode = spec_syntax(spec)
     except DsparkError:

@@ -20,6 +20,7 @@ import numpy as np
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
+from dspark_trt.runtime.call_shape import packed_shape
 from dspark_trt.runtime.config import GenerationConfig
 from dspark_trt.runtime.cost_model import table_lookup
 from dspark_trt.runtime.kv_cache import KVCache
@@ -499,18 +500,15 @@ class Runtime:
             full = (time.perf_counter() - tv) * 1e3
             self.cost.observe_verify(tokens, full)
             if self.cost.call_shape is not None:
-                self.cost.call_shape.observe(tokens, len(order), max(len(q) for q in queries), max(past_lens), full)
+                self.cost.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full)
         return outs, ms, tokens, int(m)
 
     def _split_prefill(self, dec_lens, dec_past, pre_lens, pre_past) -> bool:
         shape = self.cost.call_shape if self.cost is not None else None
         if shape is None:
             return False
-        mixed = shape.ms(sum(dec_lens) + sum(pre_lens), len(dec_lens) + len(pre_lens),
-                         max(max(dec_lens), max(pre_lens)), max(max(dec_past), max(pre_past)))
-        split = (shape.ms(sum(dec_lens), len(dec_lens), max(dec_lens), max(dec_past))
-                 + shape.ms(sum(pre_lens), len(pre_lens), max(pre_lens), max(pre_past)))
-        return split < mixed
+        mixed = shape.ms(*packed_shape(dec_lens + pre_lens, dec_past + pre_past))
+        return shape.ms(*packed_shape(dec_lens, dec_past)) + shape.ms(*packed_shape(pre_lens, pre_past)) < mixed
 
     # ------------------------------------------------------------------ drafting
     def _plan_draft_steps(self, n_adaptive: int, n_decode: int) -> int:
@@ -556,7 +554,7 @@ class Runtime:
         base = n_decode - n_adaptive
         shape = self.cost.call_shape
         if shape is not None:  # every adaptive row padded to 1 + j
-            verify = np.array([shape.ms(base + n_adaptive * (1 + i), n_decode, 1 + i, self._past) for i in j])
+            verify = shape.table(base + n_adaptive * (1 + j), n_decode, 1 + j, self._past)
         else:
             verify = np.asarray(self.cost.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
         plain, spec = self._overhead_ms("plain"), self._overhead_ms("spec")
