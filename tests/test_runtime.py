@@ -225,3 +225,36 @@ def test_prompt_chunks_get_their_own_call_when_padding_would_cost_more(tiny_arti
                 GenerationConfig(max_new_tokens=c.max_new_tokens, spec="off") for c in cfgs])]
         finally:
             rt.close()
+
+
+def test_arriving_prompts_wait_to_share_a_prefill_call_when_calls_are_dear(tiny_artifact):
+    """Four slots, twelve requests of different lengths, so prompts keep arriving while others decode.
+    With calls dear (a large fixed cost) and padding dearer, arriving prompts wait (at most MAX_WAIT
+    steps) and are prefilled together: fewer prefill calls, the same outputs."""
+    from dspark_trt.runtime import runtime as runtime_mod
+    from dspark_trt.runtime.prefill_batching import MAX_WAIT
+
+    prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(12)]
+    cfgs = [GenerationConfig(max_new_tokens=4 + 3 * (i % 5), spec="fixed:2") for i in range(12)]
+    out, held, prefill_calls = {}, {}, {}
+    for batching in (True, False):
+        rt = Runtime.load(tiny_artifact, profile="none", max_batch=4)
+        runtime_mod.PREFILL_BATCHING = batching
+        try:
+            rt.cost = _shape_cost_table([500.0, 0.01, 0.0, 1e4])
+            out[batching] = [r.token_ids for r in rt.generate(prompts, cfgs)]
+            log = rt.metrics.step_log
+            held[batching] = [s["prompts_held"] for s in log]
+            prefill_calls[batching] = sum(1 for s in log if s["prefill_tokens"])
+        finally:
+            runtime_mod.PREFILL_BATCHING = True
+            rt.close()
+    assert out[True] == out[False]
+    assert max(held[True]) >= 1 and max(held[False]) == 0
+    assert prefill_calls[True] < prefill_calls[False]
+    # no prompt waited longer than MAX_WAIT steps: a run of holding steps is at most that long
+    runs, n = [], 0
+    for h in held[True]:
+        n = n + 1 if h else 0
+        runs.append(n)
+    assert max(runs) <= MAX_WAIT

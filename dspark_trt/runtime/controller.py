@@ -47,7 +47,7 @@ import numpy as np
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import spec_syntax
-from dspark_trt.runtime.solver import best_budget, solve_budget, solve_budget_for_b
+from dspark_trt.runtime.solver import _best, _lengths, _survival, best_budget, solve_budget_for_b
 
 __all__ = ["AdaptiveController", "ControllerMetrics", "CostModel", "parse_spec"]
 
@@ -138,6 +138,7 @@ class AdaptiveController:
     def reset(self) -> None:
         """Forget stale rows and the running prior (metrics are kept)."""
         self._rows = np.zeros((0, 0))  # last step's survivals, one row per request ...
+        self._pending = None  # ... or what they are computed from when first read (_stale_rows)
         self._row_of: dict[Hashable, int] = {}  # ... found by request id
         self._mean: np.ndarray | None = None
 
@@ -158,7 +159,7 @@ class AdaptiveController:
     def previous_row(self, request_id: Hashable) -> np.ndarray | None:
         """The survival row stored for ``request_id`` at the last step it was planned in (or None)."""
         i = self._row_of.get(request_id)
-        return None if i is None else self._rows[i].copy()
+        return None if i is None else self._stale_rows()[i].copy()
 
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, live_survival, request_ids: Sequence[Hashable], sampling_mask, cost: CostModel,
@@ -174,6 +175,7 @@ class AdaptiveController:
         S = np.asarray(live_survival, dtype=np.float64)
         if S.ndim != 2:
             raise ValueError(f"live_survival must be (R, K); got shape {S.shape}")
+        S = _survival(S)  # validated once here; the solver's internals below do not repeat it
         R, K = S.shape
         ids = list(request_ids)
         if len(ids) != R:
@@ -198,14 +200,15 @@ class AdaptiveController:
         if R == 0:
             lengths, mode = np.zeros(0, np.int64), "exact"
         elif not sampling.any():
-            lengths, mode = solve_budget(S, table, draft_ms, caps=capv), "exact"
+            B, _, order = _best(S, capv, table, draft_ms, None)
+            lengths, mode = _lengths(order, B, R), "exact"
         else:
             sizing = S.copy()
             rows = np.flatnonzero(sampling)
             old = np.fromiter((self._row_of.get(ids[i], -1) for i in rows), np.int64, rows.size)
             known = old >= 0
             if known.any():
-                sizing[rows[known]] = _fit_width(self._rows[old[known]], K)
+                sizing[rows[known]] = _fit_width(self._stale_rows()[old[known]], K)
             if not known.all():
                 prior = int((~known).sum())
                 sizing[rows[~known]] = self.prior_row(K)
@@ -227,15 +230,29 @@ class AdaptiveController:
     def _remember(self, S: np.ndarray, row_of: dict, caps: np.ndarray | None) -> None:
         # Only this step's requests are kept: bounded memory; a request that skips a step falls back
         # to the prior, which is just as independent of its future drafts.
-        S = _beyond_caps(S, caps, self.prior_row(S.shape[1])) if caps is not None else S.copy()
-        self._rows, self._row_of = S, row_of
+        prior = self.prior_row(S.shape[1])
+        self._row_of = row_of
+        if caps is None or not S.shape[1] or caps.min() >= S.shape[1]:
+            self._rows, self._pending = S.copy(), None
+        else:  # extended past the caps only when a sampling request reads it (most steps none does)
+            self._rows, self._pending = None, (S.copy(), caps.copy(), prior)
         if S.shape[0] and S.shape[1]:
-            mean = np.minimum.accumulate(np.clip(S.mean(axis=0), 0.0, 1.0))
+            # S is validated (in [0, 1], non-increasing), its continuation past a cap and the prior are
+            # too, so their mean and any blend of such means are: no clip or running minimum needed.
+            rows = self._rows if self._rows is not None else _beyond_caps(S, caps, prior)
+            mean = rows.sum(axis=0) / rows.shape[0]
             if self._mean is None:
                 self._mean = mean
             else:
-                old = _fit_width(self._mean[None, :], mean.size)[0]
-                self._mean = np.minimum.accumulate((1 - self.prior_decay) * old + self.prior_decay * mean)
+                old = self._mean if self._mean.size == mean.size else _fit_width(self._mean[None, :], mean.size)[0]
+                self._mean = (1 - self.prior_decay) * old + self.prior_decay * mean
+
+    def _stale_rows(self) -> np.ndarray:
+        """Last step's rows, continued past each request's cap (see _beyond_caps)."""
+        if self._rows is None:
+            self._rows = _beyond_caps(*self._pending)
+            self._pending = None
+        return self._rows
 
     def _done(self, mode: str, lengths: np.ndarray, t0: int, capped: int, prior: int = 0) -> np.ndarray:
         self.metrics.record(mode, lengths, time.perf_counter_ns() - t0, capped, prior)
@@ -268,17 +285,15 @@ def _beyond_caps(S: np.ndarray, caps: np.ndarray, prior: np.ndarray) -> np.ndarr
     profile) continues the row's last per-position ratio instead; a row with cap 0 becomes the prior.
     """
     R, K = S.shape
-    out = S.copy()
-    short = caps < K
-    if not short.any():
-        return out
     rows = np.arange(R)
     last = S[rows, np.maximum(caps - 1, 0)]
-    prev = np.where(caps >= 2, S[rows, np.maximum(caps - 2, 0)], 1.0)
-    ratio = np.clip(np.divide(last, prev, out=np.zeros(R), where=prev > 0), 0.0, 1.0)
-    k = np.arange(K)[None, :]
-    ext = last[:, None] * ratio[:, None] ** np.maximum(k - caps[:, None] + 1, 0)
-    out = np.where(k >= caps[:, None], ext, out)
+    prev = S[rows, np.maximum(caps - 2, 0)]
+    prev[caps < 2] = 1.0
+    ratio = np.minimum(last / np.maximum(prev, 1e-300), 1.0)
+    ratio[prev <= 0.0] = 0.0
+    k = np.arange(K)
+    power = k[None, :] - caps[:, None] + 1  # > 0 exactly at the positions past the cap
+    out = np.where(power > 0, last[:, None] * ratio[:, None] ** np.maximum(power, 0), S)
     out[caps == 0] = prior
     return out
 

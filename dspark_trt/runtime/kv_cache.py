@@ -17,6 +17,11 @@ class KVCache:
         self.keys = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.max_context = max_context
+        self.slots = slots
+        # The same buffers as [max_context * slots, kv_heads, head_dim] views, interleaved like
+        # `present`: a write through one flat index is ~4x faster than numpy's (position, slot) pairs.
+        self._flat = [b.reshape(max_context * slots, kv_heads, head_dim) for kv in zip(self.keys, self.values)
+                      for b in kv]
 
     def past(self, length: int) -> list[np.ndarray]:
         """Interleaved [k0, v0, k1, v1, ...] views of the first `length` positions (at least 1)."""
@@ -25,8 +30,9 @@ class KVCache:
 
     def write(self, present: list[np.ndarray], positions: np.ndarray, slots: np.ndarray) -> None:
         """present: interleaved new entries [N, KVH, D]; positions/slots: [N] where each one goes."""
-        for i, new in enumerate(present):
-            (self.keys if i % 2 == 0 else self.values)[i // 2][positions, slots] = new
+        index = np.asarray(positions, dtype=np.int64) * self.slots + np.asarray(slots, dtype=np.int64)
+        for buf, new in zip(self._flat, present):
+            buf[index] = new
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,7 @@ from dspark_trt.runtime.config import GenerationConfig
 from dspark_trt.runtime.cost_model import table_lookup
 from dspark_trt.runtime.kv_cache import KVCache
 from dspark_trt.runtime.metrics import Metrics
+from dspark_trt.runtime.prefill_batching import prefill_group_size, prefill_now
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.solver import cap_depth
 from dspark_trt.runtime.spec_guard import SpecGuard
@@ -41,6 +42,7 @@ EXPLORE_EVERY = 8  # when the solver admits no draft this many steps running, ve
 CALL_TEST = True  # make a further draft call only if its expected surplus pays for its time
 GUARD_TIE = 0.1  # where the model says drafting loses by less than this, measurement (spec_guard) decides
 STOP_FACTOR = 1.0  # keep drafting while the next survival is predicted above this x the last break-even survival
+PREFILL_BATCHING = True  # arriving prompts may wait a few steps to share a prefill call (prefill_batching.py)
 
 
 @dataclass
@@ -136,6 +138,11 @@ class Runtime:
         self._unverified_steps = 0
         self._past = 0  # longest past of this step's decoding requests (what the verify call attends over)
         self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
+        # Recent prompts admitted per step and tokens a decoding request emits per step (EW), for
+        # prefill batching.
+        self._admitted = 0
+        self._arrivals = 0.0
+        self._tau_row = 0.0
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -337,6 +344,7 @@ class Runtime:
                 req.slot = self.slots.index(None)
                 self.slots[req.slot] = req
                 active += 1
+                self._admitted += 1
             self.metrics.queue_depth = len(self.waiting)
             return [r for r in self.slots if r is not None]
 
@@ -349,6 +357,11 @@ class Runtime:
         self._arm = None
         decode = [r for r in active if r.uncached == 1]
         prefill = [r for r in active if r.uncached > 1]
+        self._arrivals += 0.1 * (self._admitted - self._arrivals)
+        self._admitted = 0
+        held = self._hold_prompts(prefill, decode) if PREFILL_BATCHING and decode and prefill else []
+        if held:
+            prefill = [r for r in prefill if r.target_len > 0]  # held: every prompt not yet started
         n_adaptive = sum(r.mode.kind == "adaptive" for r in decode)
         self._past = max((r.target_len for r in decode), default=0)  # the verify call attends this far
         if n_adaptive:
@@ -419,7 +432,7 @@ class Runtime:
             "verify_lens": vl[:nd].tolist(), "accepted": [int(min(a, L)) for a, L in zip(accepted[:nd], vl[:nd])],
             "drafted": [len(drafts[r.id][0]) if r.id in drafts else 0 for r in decode],
             "draft_ms": draft_ms, "target_ms": target_ms, "target_tokens": target_tokens, "target_calls": len(groups),
-            "solver_us": solver_us})
+            "prompts_held": len(held), "solver_us": solver_us})
         now = time.perf_counter()
         for i, r in enumerate(decode):
             a, L = int(accepted[i]), int(vl[i])
@@ -448,6 +461,7 @@ class Runtime:
             emitted = nd + int(sum(min(a, L) for a, L in zip(accepted[:nd], vl[:nd])))
             rate = emitted / wall_ms
             self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
+            self._tau_row = emitted / nd if self._tau_row == 0 else 0.9 * self._tau_row + 0.1 * emitted / nd
             if self._arm is not None:
                 self.spec_guard.record(nd, self._arm, emitted, wall_ms)
             # A running mean for the first 20 steps of a kind, then EW: one slow first step (allocations,
@@ -502,6 +516,23 @@ class Runtime:
             if self.cost.call_shape is not None:
                 self.cost.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full)
         return outs, ms, tokens, int(m)
+
+    def _hold_prompts(self, prefill: list[Request], decode: list[Request]) -> list[Request]:
+        """Prompts not yet started that wait this step to share a later prefill call (prefill_batching.py):
+        only where they would get a call of their own anyway, i.e. where sharing saves a call."""
+        shape = self.cost.call_shape if self.cost is not None else None
+        fresh = [r for r in prefill if r.target_len == 0]
+        if shape is None or not fresh:
+            return []
+        k = prefill_group_size(shape.ms(1, 1, 1, 0), self._arrivals, self._rate, self._tau_row)
+        if prefill_now(len(fresh), max(r.prefill_wait for r in fresh), k, len(decode)):
+            return []
+        chunks = [min(r.uncached, PREFILL_CHUNK, self.query_len_max) for r in fresh]
+        if not self._split_prefill([1] * len(decode), [r.target_len for r in decode], chunks, [0] * len(fresh)):
+            return []  # they would ride in the decode call: no call to save
+        for r in fresh:
+            r.prefill_wait += 1
+        return fresh
 
     def _split_prefill(self, dec_lens, dec_past, pre_lens, pre_past) -> bool:
         shape = self.cost.call_shape if self.cost is not None else None
@@ -598,13 +629,18 @@ class Runtime:
         surv = {r.id: [] for r in reqs}
         engine_ms = 0.0
         # Catch-up: feed tokens the draft has not seen (prompt, previous verify's accepted tokens).
-        # Long catch-ups are fed in chunks first, so the first drafting call stays within the limits.
+        # A drafting step itself catches up at most max_draft + 1 tokens a request; anything longer (a
+        # prompt, the text generated while the request did not draft) is fed first, in calls of only the
+        # requests that are that far behind: in the drafting call every row would be padded to it
+        # (models/decoder.py), which costs far more than the extra call of the small draft model.
+        limit = self.max_draft + 1
         while True:
             behind = {r.id: len(r.tokens) - r.draft_len for r in reqs}
-            if max(behind.values()) <= PREFILL_CHUNK and sum(behind.values()) <= self.max_tokens_per_step:
+            far = [r for r in reqs if behind[r.id] > limit]
+            if not far and sum(behind.values()) <= self.max_tokens_per_step:
                 break
             group, used = [], 0
-            for r in sorted(reqs, key=lambda r: -behind[r.id]):
+            for r in sorted(far or reqs, key=lambda r: -behind[r.id]):
                 c = min(behind[r.id] - 1, PREFILL_CHUNK)  # keep at least one token for the drafting call
                 if c > 0 and used + c <= self.max_tokens_per_step:
                     group.append((r, c))
@@ -612,7 +648,7 @@ class Runtime:
             if not group:
                 break
             qs = [r.tokens[r.draft_len:r.draft_len + c] for r, c in group]
-            _, ms = self._run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group))
+            _, ms = self._run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group), observe=False)
             engine_ms += ms
             for r, c in group:
                 r.draft_len += c
@@ -672,24 +708,25 @@ class Runtime:
         """
         if not reqs:
             return set()
-        k = drafted
         if self._cond_cache is None:  # the profile's conditional acceptance per position, once per step
             prior = [float(x) for x in self.controller.prior_row(self.max_draft)]
             self._cond_cache = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(prior, prior[1:])]
-        cond = self._cond_cache[k] if k < len(self._cond_cache) else 0.0
+        cond = self._cond_cache[drafted] if drafted < len(self._cond_cache) else 0.0
         theta = self.admit_threshold
         bar = theta * STOP_FACTOR
-        pred = {r.id: corrected[r.id][-1] * cond for r in reqs}
-        keep = {rid for rid, p in pred.items() if p >= bar}
-        if not keep:
-            return keep
-        if CALL_TEST and not fixed_continue and self.cost is not None and self._rate > 0:
-            surplus = sum(max(pred[rid] - theta, 0.0) for rid in keep)
-            if surplus < self._rate * float(self.cost.draft_ms(len(keep))):
+        keep, surplus = set(), 0.0
+        for r in reqs:
+            p = corrected[r.id][-1] * cond
+            if p >= bar:
+                keep.add(r.id)
+                if p > theta:
+                    surplus += p - theta
+        if keep and CALL_TEST and not fixed_continue and self.cost is not None and self._rate > 0:
+            if surplus < self._rate * self.cost.draft_ms(len(keep)):
                 return set()
         return keep
 
-    def _run_draft(self, reqs, queries, prev_survival, positions):
+    def _run_draft(self, reqs, queries, prev_survival, positions, observe: bool = True):
         t0 = time.perf_counter()
         feeds = pack_queries(queries, [r.draft_len for r in reqs], [r.slot for r in reqs])
         feeds["temperature"] = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
@@ -700,7 +737,7 @@ class Runtime:
         outs, present = self.backend.run_draft(feeds, self.draft_kv.past(int(feeds["past_lens"].max())))
         ms = (time.perf_counter() - t) * 1e3
         self.draft_kv.write(present, feeds["positions"], token_slots(feeds))
-        if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
+        if observe and self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
             # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a sizeable
             # share of a small draft call, and the planner must weigh what a draft step really costs.
             self.cost.observe_draft(len(reqs), (time.perf_counter() - t0) * 1e3)
@@ -766,6 +803,12 @@ class Runtime:
         shape = self.cost.call_shape
         rows = len(decode)
         fixed_tokens, fixed_deep = sum(fixed.values()), max(fixed.values(), default=0)
+        deepest = max(int(plan.max()), fixed_deep)
+        if len(plan) == rows and deepest <= -(-int(plan.sum()) // rows):
+            # Every row adaptive and the depths as even as they can be: the solver's table priced exactly
+            # this shape, and every capped allocation costs at least its even spread, which the solver
+            # already weighed; so no cap can do better (and skipping saves ~0.1 ms a step).
+            return plan
         base = rows + sum(float(np.sum(drafts[rid][3][:L])) for rid, L in fixed.items() if L)
 
         def call_ms(extra: int, depth: int) -> float:
