@@ -299,6 +299,10 @@ def _beyond_caps(S: np.ndarray, caps: np.ndarray, prior: np.ndarray) -> np.ndarr
 
 
 def _check_caps(caps, R: int) -> np.ndarray:
+    if isinstance(caps, np.ndarray) and caps.dtype == np.int64 and caps.shape == (R,):  # the runtime's
+        if caps.size and caps.min() < 0:
+            raise ValueError("caps must be >= 0")
+        return caps
     c = np.asarray(caps)
     if c.shape != (R,):
         raise ValueError(f"caps must have shape ({R},); got {c.shape}")

@@ -143,6 +143,7 @@ class Runtime:
         self._admitted = 0
         self._arrivals = 0.0
         self._tau_row = 0.0
+        self._zeros: np.ndarray | None = None  # see _zero_probs
 
     # ------------------------------------------------------------------ loading
     @classmethod
@@ -485,7 +486,8 @@ class Runtime:
         feeds["verify_lens"] = vl
         m = len(feeds["verify_index"])
         draft_tokens = np.zeros(m, dtype=np.int64)
-        draft_probs = np.zeros((m, self.vocab), dtype=np.float32)
+        sampling = any(r.sampling for r in order)
+        draft_probs = np.zeros((m, self.vocab), dtype=np.float32) if sampling else self._zero_probs(m)
         accept_u = np.zeros(m, dtype=np.float32)
         sample_u = np.zeros(len(order), dtype=np.float32)
         temps = np.asarray([r.config.temperature for r in order], dtype=np.float32)
@@ -533,6 +535,15 @@ class Runtime:
         for r in fresh:
             r.prefill_wait += 1
         return fresh
+
+    def _zero_probs(self, rows: int) -> np.ndarray:
+        """A [rows, V] block of zeros, the draft distribution of greedy rows (greedy acceptance never reads
+        it; nothing writes to it). Kept between steps: a fresh one each step is megabytes the engine first
+        pages in. (Not flagged read-only: torch.from_numpy warns on read-only arrays.)"""
+        if self._zeros is None or self._zeros.shape[0] < rows:
+            grown = 2 * (0 if self._zeros is None else self._zeros.shape[0])
+            self._zeros = np.zeros((max(rows, grown), self.vocab), dtype=np.float32)
+        return self._zeros[:rows]
 
     def _split_prefill(self, dec_lens, dec_past, pre_lens, pre_past) -> bool:
         shape = self.cost.call_shape if self.cost is not None else None

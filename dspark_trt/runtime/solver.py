@@ -52,6 +52,7 @@ __all__ = [
 #: within this tolerance are repaired with a running minimum (which keeps S_{r,k} a function of
 #: positions <= k only, so the lossless argument above still holds).
 MONOTONE_ATOL = 1e-5
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 def _survival(survival) -> np.ndarray:
@@ -120,7 +121,7 @@ def _rank(S: np.ndarray, caps: np.ndarray | None):
         capacity = R * K
     else:
         allowed = (np.arange(K)[:, None] < caps[None, :]).ravel()
-        key[~allowed] = np.iinfo(np.int64).max
+        key[~allowed] = _INT64_MAX
         capacity = int(caps.sum())
     order = np.argsort(key, kind="stable")
     return order, flat, capacity
