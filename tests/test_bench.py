@@ -9,7 +9,7 @@ import pytest
 
 from dspark_trt.bench.harness import (DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODES, DEFAULT_NUM_PROMPTS,
                                       QUICK, apply_quick, parse_concurrency, parse_modes, resolve_out_dir,
-                                      summarize_requests)
+                                      steady_window, summarize_requests)
 from dspark_trt.bench.oracle import as_cost_fn, draft_batches, draft_cost, oracle_goodput, step_costs
 from dspark_trt.bench.prompts import corpus_prompts, file_prompts, prompt_budget, read_prompt_file
 from dspark_trt.errors import DsparkError
@@ -154,6 +154,34 @@ def test_summarize_requests_definitions():
     assert peer["tpot_ms_p50"] == pytest.approx(500.0) and peer["ttft_ms_p50"] is None
 
 
+def test_steady_window_is_the_stretch_at_full_concurrency():
+    """Two users, four requests: the window runs from the first completion (t=4) to the last submission
+    (t=7) and is cut at the step ends inside it; the opening wave and the drain are left out."""
+    timeline = [(float(t), 10 * t) for t in range(1, 11)]  # 10 tokens per unit of time, steps end at 1..10
+    reqs = [{"submitted_at": 0.0, "done_at": 4.0}, {"submitted_at": 0.0, "done_at": 5.5},
+            {"submitted_at": 4.0, "done_at": 9.0}, {"submitted_at": 5.5, "done_at": 10.0}]
+    reqs[2]["submitted_at"], reqs[3]["submitted_at"] = 4.0, 7.0
+    tokens, seconds = steady_window(timeline, reqs)
+    assert (tokens, seconds) == (30, 3.0)  # steps ending at 4..7
+
+
+def test_steady_window_slow_drain_does_not_count():
+    """Same steady stretch, one straggler at the end: the whole-run rate drops, the steady rate does not."""
+    fast = [(float(t), 10 * t) for t in range(1, 9)]
+    slow = fast + [(float(t), 80 + t) for t in range(9, 20)]  # the drain: one request left, 1 token a step
+    reqs = [{"submitted_at": 0.0, "done_at": 2.0}, {"submitted_at": 2.0, "done_at": 6.0},
+            {"submitted_at": 6.0, "done_at": 19.0}]
+    a, b = steady_window(fast, reqs), steady_window(slow, reqs)
+    assert a == b and a[0] / a[1] == pytest.approx(10.0)
+
+
+def test_steady_window_needs_a_full_concurrency_stretch():
+    one_wave = [{"submitted_at": 0.0, "done_at": 5.0}, {"submitted_at": 0.0, "done_at": 6.0}]
+    assert steady_window([(float(t), t) for t in range(1, 8)], one_wave) is None
+    assert steady_window([], [{"submitted_at": 3.0, "done_at": 1.0}]) is None
+    assert steady_window([(1.0, 1)], []) is None
+
+
 # ------------------------------------------------------------------------------------------ prompts
 
 def _tok():
@@ -229,6 +257,9 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
     for r in runs:
         assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
         assert r["generated_tokens"] == r["requests"] * 8 and r["output_tok_s"] > 0
+        assert r["output_tok_s_whole_run"] == pytest.approx(r["generated_tokens"] / r["wall_s"])
+        assert r["steady_state"] is True  # three requests per user: a full-concurrency stretch in every round
+        assert len(r["round_output_tok_s"]) == len(r["round_output_tok_s_whole_run"]) == r["rounds"]
         assert r["requests"] == max(3, 3 * r["concurrency"])  # every prompt, and at least 3 waves per user
         assert len(r["acceptance_per_position"]) == 4
         assert r["greedy_match_off"] == 1.0  # greedy speculation is lossless

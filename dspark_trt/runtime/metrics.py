@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 
@@ -30,6 +31,8 @@ class Metrics:
         self.last_engine_ms = 0.0
         # Per-step records for offline analysis (hindsight oracle, budgets): bounded.
         self.step_log: deque = deque(maxlen=200_000)
+        # (perf_counter at the end of each step, output tokens so far): throughput over any window.
+        self.timeline: deque = deque(maxlen=200_000)
 
     def log_step(self, record: dict) -> None:
         with self._lock:
@@ -55,6 +58,7 @@ class Metrics:
             budget = verified - requests
             self.budget_hist[budget] = self.budget_hist.get(budget, 0) + 1
             self.last_step_ms, self.last_engine_ms = wall_ms, engine_ms
+            self.timeline.append((time.perf_counter(), self.output_tokens))
 
     def snapshot(self) -> dict:
         with self._lock:
