@@ -567,14 +567,20 @@ class Runtime:
             return self.max_draft
         key = (n_adaptive, n_decode)
         cached = self._plan_cache.get(key)
-        if cached is not None and cached[1] > 0 and cached[0] > 0:
-            self._plan_cache[key] = (cached[0], cached[1] - 1)
-            return self._guarded(cached[0], n_decode)
-        steps = self._plan_draft_steps_now(n_adaptive, n_decode)
-        # A probe is one step, not a plan: caching it would keep drafting that does not pay for
-        # PLAN_EVERY more steps.
-        self._plan_cache[key] = (0 if self._probing else steps, PLAN_EVERY)
-        return steps if self._probing else self._guarded(steps, n_decode)
+        if cached is None or cached[1] <= 0:
+            cached = (*self._plan_draft_steps_now(n_adaptive, n_decode), PLAN_EVERY)
+        best, self._spec_vs_plain, ttl = cached
+        self._plan_cache[key] = (best, self._spec_vs_plain, ttl - 1)
+        if best == 0:
+            # A probe is one step, not a plan: the plan stays "no drafting" between probes.
+            self._since_probe += 1
+            if self._since_probe >= PROBE_EVERY:
+                self._since_probe = 0
+                self._probing = True
+                return 1
+            return self._guarded(0, n_decode)
+        self._since_probe = 0
+        return self._guarded(min(self.max_draft, best + PLAN_HEADROOM), n_decode)
 
     def _guarded(self, steps: int, n_decode: int) -> int:
         """The model's draft depth, unless measurement says the other arm is faster at this load: no
@@ -588,7 +594,8 @@ class Runtime:
             return 0
         return steps if steps > 0 else min(self.max_draft, 1 + PLAN_HEADROOM)
 
-    def _plan_draft_steps_now(self, n_adaptive: int, n_decode: int) -> int:
+    def _plan_draft_steps_now(self, n_adaptive: int, n_decode: int) -> tuple[int, float]:
+        """(best draft depth by the model, its best drafting rate over its plain rate)."""
         k = self.max_draft
         prof = np.asarray(self.controller.prior_row(k), dtype=np.float64)
         j = np.arange(k + 1)
@@ -602,17 +609,8 @@ class Runtime:
         plain, spec = self._overhead_ms("plain"), self._overhead_ms("spec")
         cost = np.where(j > 0, spec, plain) + j * float(self.cost.draft_ms(n_adaptive)) + verify
         rate = gain / np.maximum(cost, 1e-9)
-        best = int(np.argmax(rate))
-        self._spec_vs_plain = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0
-        if best == 0:
-            self._since_probe += 1
-            if self._since_probe < PROBE_EVERY:
-                return 0
-            self._since_probe = 0
-            self._probing = True
-            return 1
-        self._since_probe = 0
-        return min(k, best + PLAN_HEADROOM)
+        ratio = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0
+        return int(np.argmax(rate)), ratio
 
     def _probe_subset(self, spec: list[Request]) -> list[Request]:
         """On a probe step only PROBE_REQUESTS adaptive requests draft (taking turns): a draft call's
