@@ -258,3 +258,20 @@ def test_arriving_prompts_wait_to_share_a_prefill_call_when_calls_are_dear(tiny_
         n = n + 1 if h else 0
         runs.append(n)
     assert max(runs) <= MAX_WAIT
+
+
+def test_step_overhead_is_read_at_the_load_it_was_measured_at(tiny_artifact):
+    """The time outside the engines is mostly per-request work: a figure learned at 64 decode requests
+    must not price drafting at 4 when 4 has a figure of its own; without one, the nearest load's."""
+    rt = Runtime.load(tiny_artifact, profile="none")
+    try:
+        assert rt._overhead_ms("spec", 4) == 0.0  # nothing measured yet
+        rt._overhead.update({("spec", 6): 9.0, ("plain", 6): 3.0, ("plain", 2): 0.5})
+        assert rt._overhead_ms("spec", 64) == 9.0 and rt._overhead_ms("plain", 64) == 3.0
+        assert rt._overhead_ms("plain", 4) == 0.5
+        assert rt._overhead_ms("spec", 4) == 9.0  # no spec figure near 4 yet: the nearest spec one
+        rt._overhead[("spec", 2)] = 1.5
+        assert rt._overhead_ms("spec", 4) == 1.5 and rt._overhead_ms("spec", 5) == 1.5
+        assert rt._overhead_ms("spec", 48) == 9.0
+    finally:
+        rt.close()

@@ -122,9 +122,11 @@ class Runtime:
         # constant of the solver's denominator (ignoring it under-values emitting more tokens per step:
         # on a CPU, ~1 ms of a 7 ms step); and a drafting step pays more of it (the draft loop, the
         # solver, the survival bookkeeping: ~1.5 ms more at 16 requests here), which the draft-depth
-        # planner must charge to drafting at all.
-        self._overhead = {"plain": 0.0, "spec": 0.0}
-        self._overhead_n = {"plain": 0, "spec": 0}
+        # planner must charge to drafting at all. Kept per load (decode requests, to the nearest power
+        # of two): most of it is per-request work, so a figure learned at 64 requests (or in a warm-up)
+        # says little about 4, and one shared figure made drafting look dear long after load fell.
+        self._overhead: dict[tuple[str, int], float] = {}
+        self._overhead_n: dict[tuple[str, int], int] = {}
         # Measured check that speculating beats not speculating (spec_guard.py); None: trust the model.
         self.spec_guard: SpecGuard | None = SpecGuard()
         self._arm: str | None = None  # the guard's arm this step (None: the guard was not consulted)
@@ -356,6 +358,7 @@ class Runtime:
         t0 = time.perf_counter()
         engine_ms = 0.0
         self._arm = None
+        self._probing = False
         decode = [r for r in active if r.uncached == 1]
         prefill = [r for r in active if r.uncached > 1]
         self._arrivals += 0.1 * (self._admitted - self._arrivals)
@@ -466,11 +469,13 @@ class Runtime:
             if self._arm is not None:
                 self.spec_guard.record(nd, self._arm, emitted, wall_ms)
             # A running mean for the first 20 steps of a kind, then EW: one slow first step (allocations,
-            # lazy imports) must not dominate for the next hundred.
-            over, kind = max(0.0, wall_ms - engine_ms), "spec" if drafts else "plain"
-            self._overhead_n[kind] += 1
-            w = max(0.05, 1.0 / self._overhead_n[kind])
-            self._overhead[kind] += w * (over - self._overhead[kind])
+            # lazy imports) must not dominate for the next hundred. Probe steps (a few requests catching
+            # up and drafting one token) are not what a drafting step costs.
+            if not self._probing:
+                key = ("spec" if drafts else "plain", _load_bucket(nd))
+                n = self._overhead_n[key] = self._overhead_n.get(key, 0) + 1
+                old = self._overhead.get(key, 0.0)
+                self._overhead[key] = old + max(0.05, 1.0 / n) * (max(0.0, wall_ms - engine_ms) - old)
         self.metrics.record_step(wall_ms, engine_ms, solver_us, verified, len(order),
                                  sum(len(d[0]) for d in drafts.values()))
         return True
@@ -606,7 +611,7 @@ class Runtime:
             verify = shape.table(base + n_adaptive * (1 + j), n_decode, 1 + j, self._past)
         else:
             verify = np.asarray(self.cost.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
-        plain, spec = self._overhead_ms("plain"), self._overhead_ms("spec")
+        plain, spec = self._overhead_ms("plain", n_decode), self._overhead_ms("spec", n_decode)
         cost = np.where(j > 0, spec, plain) + j * float(self.cost.draft_ms(n_adaptive)) + verify
         rate = gain / np.maximum(cost, 1e-9)
         ratio = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0
@@ -772,11 +777,12 @@ class Runtime:
             s = drafts[r.id][3]  # online-corrected survivals
             live[i, :len(s)] = s
             caps[i] = len(s)
+        fixed_ms = draft_ms + self._overhead_ms("spec", len(decode))
         t = time.perf_counter_ns()
         others = len(decode) - len(adaptive) + sum(lengths.values())
         table = self._verify_table(others, len(decode))
         plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
-                                    _StepCost(table, draft_ms + self._overhead_ms("spec")),
+                                    _StepCost(table, fixed_ms),
                                     len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
         exploring = False
@@ -790,7 +796,7 @@ class Runtime:
                 plan = np.minimum(caps, 1)
                 exploring = True
         if not exploring and plan.any() and self.cost is not None and self.cost.call_shape is not None:
-            plan = self._cap_depth(plan, live, decode, lengths, drafts, draft_ms + self._overhead_ms("spec"))
+            plan = self._cap_depth(plan, live, decode, lengths, drafts, fixed_ms)
         for r, L in zip(adaptive, plan):
             lengths[r.id] = int(L)
         # Drafting further than the solver admits is wasted work: stop drafting next step once a
@@ -798,13 +804,17 @@ class Runtime:
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = live[np.arange(live.shape[1])[None, :] < plan[:, None]]
         self.admit_threshold = self._marginal_survival(len(adaptive), float(admitted.sum()), int(plan.sum()),
-                                                       table, draft_ms + self._overhead_ms("spec"))
+                                                       table, fixed_ms)
         return lengths, solver_us
 
-    def _overhead_ms(self, kind: str) -> float:
-        """Recent time outside the engines of a step without ("plain") or with ("spec") drafting."""
-        other = "spec" if kind == "plain" else "plain"
-        return self._overhead[kind] if self._overhead_n[kind] else self._overhead[other]
+    def _overhead_ms(self, kind: str, n_decode: int) -> float:
+        """Recent time outside the engines of a step without ("plain") or with ("spec") drafting, at this
+        load: its own figure, else the nearest load's of the same kind, else the other kind's."""
+        if not self._overhead:
+            return 0.0
+        b = _load_bucket(n_decode)
+        key = min(self._overhead, key=lambda k: (k[0] != kind, abs(k[1] - b), k[1]))
+        return self._overhead[key]
 
     def _cap_depth(self, plan: np.ndarray, live: np.ndarray, decode: list[Request], fixed: dict, drafts: dict,
                    fixed_ms: float) -> np.ndarray:
@@ -898,6 +908,11 @@ class Runtime:
                 if r is not None and r.finished:
                     self.slots[i] = None
                     self.metrics.requests_finished += 1
+
+
+def _load_bucket(n_decode: int) -> int:
+    """Decode requests to the nearest power of two, as an exponent (the spec guard buckets load alike)."""
+    return SpecGuard.bucket(n_decode)
 
 
 def _pad_rows(rows: list, width: int) -> np.ndarray:
