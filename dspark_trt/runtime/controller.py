@@ -138,7 +138,6 @@ class AdaptiveController:
     def reset(self) -> None:
         """Forget stale rows and the running prior (metrics are kept)."""
         self._rows = np.zeros((0, 0))  # last step's survivals, one row per request ...
-        self._pending = None  # ... or what they are computed from when first read (_stale_rows)
         self._row_of: dict[Hashable, int] = {}  # ... found by request id
         self._mean: np.ndarray | None = None
 
@@ -159,7 +158,7 @@ class AdaptiveController:
     def previous_row(self, request_id: Hashable) -> np.ndarray | None:
         """The survival row stored for ``request_id`` at the last step it was planned in (or None)."""
         i = self._row_of.get(request_id)
-        return None if i is None else self._stale_rows()[i].copy()
+        return None if i is None else self._rows[i].copy()
 
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, live_survival, request_ids: Sequence[Hashable], sampling_mask, cost: CostModel,
@@ -208,7 +207,7 @@ class AdaptiveController:
             old = np.fromiter((self._row_of.get(ids[i], -1) for i in rows), np.int64, rows.size)
             known = old >= 0
             if known.any():
-                sizing[rows[known]] = _fit_width(self._stale_rows()[old[known]], K)
+                sizing[rows[known]] = _fit_width(self._rows[old[known]], K)
             if not known.all():
                 prior = int((~known).sum())
                 sizing[rows[~known]] = self.prior_row(K)
@@ -230,29 +229,20 @@ class AdaptiveController:
     def _remember(self, S: np.ndarray, row_of: dict, caps: np.ndarray | None) -> None:
         # Only this step's requests are kept: bounded memory; a request that skips a step falls back
         # to the prior, which is just as independent of its future drafts.
-        prior = self.prior_row(S.shape[1])
-        self._row_of = row_of
         if caps is None or not S.shape[1] or caps.min() >= S.shape[1]:
-            self._rows, self._pending = S.copy(), None
-        else:  # extended past the caps only when a sampling request reads it (most steps none does)
-            self._rows, self._pending = None, (S.copy(), caps.copy(), prior)
+            rows = S.copy()
+        else:
+            rows = _beyond_caps(S, caps, self.prior_row(S.shape[1]))
+        self._rows, self._row_of = rows, row_of
         if S.shape[0] and S.shape[1]:
             # S is validated (in [0, 1], non-increasing), its continuation past a cap and the prior are
             # too, so their mean and any blend of such means are: no clip or running minimum needed.
-            rows = self._rows if self._rows is not None else _beyond_caps(S, caps, prior)
             mean = rows.sum(axis=0) / rows.shape[0]
             if self._mean is None:
                 self._mean = mean
             else:
                 old = self._mean if self._mean.size == mean.size else _fit_width(self._mean[None, :], mean.size)[0]
                 self._mean = (1 - self.prior_decay) * old + self.prior_decay * mean
-
-    def _stale_rows(self) -> np.ndarray:
-        """Last step's rows, continued past each request's cap (see _beyond_caps)."""
-        if self._rows is None:
-            self._rows = _beyond_caps(*self._pending)
-            self._pending = None
-        return self._rows
 
     def _done(self, mode: str, lengths: np.ndarray, t0: int, capped: int, prior: int = 0) -> np.ndarray:
         self.metrics.record(mode, lengths, time.perf_counter_ns() - t0, capped, prior)

@@ -472,7 +472,7 @@ class Runtime:
             # lazy imports) must not dominate for the next hundred. Probe steps (a few requests catching
             # up and drafting one token) are not what a drafting step costs.
             if not self._probing:
-                key = ("spec" if drafts else "plain", _load_bucket(nd))
+                key = ("spec" if drafts else "plain", SpecGuard.bucket(nd))
                 n = self._overhead_n[key] = self._overhead_n.get(key, 0) + 1
                 old = self._overhead.get(key, 0.0)
                 self._overhead[key] = old + max(0.05, 1.0 / n) * (max(0.0, wall_ms - engine_ms) - old)
@@ -812,7 +812,7 @@ class Runtime:
         load: its own figure, else the nearest load's of the same kind, else the other kind's."""
         if not self._overhead:
             return 0.0
-        b = _load_bucket(n_decode)
+        b = SpecGuard.bucket(n_decode)
         key = min(self._overhead, key=lambda k: (k[0] != kind, abs(k[1] - b), k[1]))
         return self._overhead[key]
 
@@ -908,11 +908,6 @@ class Runtime:
                 if r is not None and r.finished:
                     self.slots[i] = None
                     self.metrics.requests_finished += 1
-
-
-def _load_bucket(n_decode: int) -> int:
-    """Decode requests to the nearest power of two, as an exponent (the spec guard buckets load alike)."""
-    return SpecGuard.bucket(n_decode)
 
 
 def _pad_rows(rows: list, width: int) -> np.ndarray:
