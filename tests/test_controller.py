@@ -103,13 +103,64 @@ def test_new_requests_use_the_prior_then_the_running_mean_profile():
     assert ctl.metrics.prior_rows == 2
     assert ctl.prior_row(K) == pytest.approx(first.mean(axis=0))
     ctl.plan(geometric(2, K, 0.5), ["a", "b"], [True, True], COST, 2)
-    assert ctl.prior_row(K) == pytest.approx(0.5 * first[0] + 0.5 * geometric(1, K, 0.5)[0])
+    w = 1 - (1 - 0.5) ** 2  # a step of 2 rows at 0.5 a row
+    assert ctl.prior_row(K) == pytest.approx((1 - w) * first[0] + w * geometric(1, K, 0.5)[0])
     # a newcomer is sized from that profile, the others from their previous rows
     prior = ctl.prior_row(K)
     lengths = ctl.plan(geometric(3, K, 0.3), ["a", "b", "new"], [True, True, True], COST, 3)
     sizing = np.vstack([geometric(2, K, 0.5), prior])
     assert lengths.sum() == best_budget(sizing, COST.table, COST.draft)[0]
     assert ctl.metrics.prior_rows == 3
+
+
+def test_the_mean_profile_weighs_steps_by_their_rows():
+    """A step of R rows weighs max(R / rows seen, 1 - (1 - decay)^R): the plain mean of every row until
+    ~1/decay rows are seen, then an average over about that many rows. So near-empty steps (a batch
+    draining) move the profile a little and full steps a lot."""
+    K, d = 3, 0.005
+    ctl = AdaptiveController(prior_decay=d)
+    hi, lo = geometric(1, K, 0.9)[0], geometric(1, K, 0.5)[0]
+    ctl.plan(geometric(64, K, 0.9), list(range(64)), [False] * 64, COST, 64)
+    ctl.plan(geometric(64, K, 0.9), list(range(64)), [False] * 64, COST, 64)
+    assert ctl.prior_row(K) == pytest.approx(hi)
+    ctl.plan(geometric(1, K, 0.5), ["slow"], [False], COST, 1)  # 129 rows seen: still their plain mean
+    assert ctl.prior_row(K) == pytest.approx((128 * hi + lo) / 129)
+    for _ in range(5):
+        ctl.plan(geometric(1, K, 0.5), ["slow"], [False], COST, 1)
+    assert ctl.prior_row(K) == pytest.approx((128 * hi + 6 * lo) / 134)  # 6 slow rows of 134: 4% of the way
+    before = ctl.prior_row(K)
+    for _ in range(4):
+        ctl.plan(geometric(64, K, 0.5), list(range(64)), [False] * 64, COST, 64)
+    w = 1 - (1 - d) ** 64  # past 1/d rows: a 64-row step weighs 1 - (1 - d)^64
+    # the first of them still a share of the plain mean (64 / 198 > w), the rest w each
+    assert ctl.prior_row(K) == pytest.approx(lo + (before - lo) * (1 - 64 / 198) * (1 - w) ** 3)
+
+
+@SETTINGS
+@given(st.data())
+def test_the_small_greedy_path_plans_and_remembers_what_the_numpy_path_does(data):
+    """Up to solver.SMALL_SLOTS slots the greedy plan runs in pure Python: the same lengths, the same rows
+    kept for the next step and the same mean profile as the numpy path, step after step."""
+    from dspark_trt.runtime import controller as controller_mod
+
+    fast, slow = AdaptiveController(prior_decay=0.2), AdaptiveController(prior_decay=0.2)
+    for step in range(3):
+        R, K = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 7))
+        S = data.draw(survival(R, K))
+        caps = data.draw(st.one_of(st.none(), st.lists(st.integers(0, K), min_size=R, max_size=R)))
+        ids = data.draw(st.lists(st.integers(0, 12), min_size=R, max_size=R, unique=True))
+        got = fast.plan(S, ids, [False] * R, COST, R, caps=caps)
+        saved = controller_mod.SMALL_SLOTS
+        controller_mod.SMALL_SLOTS = 0
+        try:
+            want = slow.plan(S, ids, [False] * R, COST, R, caps=caps)
+        finally:
+            controller_mod.SMALL_SLOTS = saved
+        assert got.tolist() == want.tolist() and got.dtype == want.dtype
+        for rid in ids:
+            assert fast.previous_row(rid) == pytest.approx(slow.previous_row(rid), abs=1e-12)
+        assert fast.prior_row(7) == pytest.approx(slow.prior_row(7), abs=1e-12)
+    assert fast.metrics.steps_by_mode == slow.metrics.steps_by_mode
 
 
 def test_an_explicit_prior_and_a_change_of_draft_length_are_handled():

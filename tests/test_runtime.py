@@ -275,3 +275,25 @@ def test_step_overhead_is_read_at_the_load_it_was_measured_at(tiny_artifact):
         assert rt._overhead_ms("spec", 48) == 9.0
     finally:
         rt.close()
+
+
+def test_the_guard_runs_no_plain_trials_where_the_model_is_sure_drafting_pays(tiny_artifact):
+    """Trials of plain decoding cost output; where the model says drafting wins by more than GUARD_SURE
+    (low load) the measured guard is not consulted. Near a tie it is."""
+    from dspark_trt.runtime import runtime as runtime_mod
+    from dspark_trt.runtime import spec_guard
+    from dspark_trt.runtime.cost_model import CostTable
+
+    steps = 3 * spec_guard.FIRST + spec_guard.TRIAL_LEN  # long enough for the guard's first trial
+    verify = np.full(64, 10.0) * (np.arange(64) > 0)  # a verify call costs 10 ms whatever it verifies
+    for draft_ms, sure in ((0.01, True), (5.45, False)):  # prior 0.7^k: drafting 1 wins ~3x, or ~1.1x
+        rt = Runtime.load(tiny_artifact, profile="none")
+        try:
+            rt.cost = CostTable(verify, np.full(9, draft_ms) * (np.arange(9) > 0))
+            plan = [rt._plan_draft_steps(8, 8) for _ in range(steps)]
+            assert (rt._spec_vs_plain > 1 + runtime_mod.GUARD_SURE) == sure
+            assert min(plan[:spec_guard.FIRST]) > 0  # the model's choice: draft
+            assert (min(plan) > 0) == sure  # near the tie the guard's trial ran plain steps
+            assert bool(rt.spec_guard.report()) != sure  # it was consulted only there
+        finally:
+            rt.close()

@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_trt.runtime.solver import best_budget, extend_linear, solve_budget, solve_budget_for_b
+from dspark_trt.runtime.solver import (best_budget, extend_linear, rows_valid, solve_budget, solve_budget_for_b,
+                                       solve_small)
 
 SETTINGS = settings(max_examples=100, deadline=None)  # exactness against brute force
 FAST = settings(max_examples=50, deadline=None)  # behavioural properties
@@ -179,6 +180,30 @@ def test_extrapolates_linearly_beyond_the_cost_table():
     full = 2.0 + 0.05 * np.arange(8 * 5 + 1)
     assert solve_budget(S, full[:2], 0.3).tolist() == solve_budget(S, full, 0.3).tolist()
     assert extend_linear([1.0, 2.0], [0, 1, 2, 5]).tolist() == [1.0, 2.0, 3.0, 6.0]
+
+
+@SETTINGS
+@given(data=st.data(), S=survivals(max_r=9, max_k=7, min_k=1), draft=st.floats(0.0, 5.0),
+       n=st.one_of(st.none(), st.floats(0.0, 10.0)))
+def test_the_pure_python_solver_gives_the_numpy_solvers_answer_exactly(data, S, draft, n):
+    """solve_small is the numpy solver's twin for small matrices: the same lengths (not just an equally
+    good allocation: the same ties broken the same way), with caps and with cost tables too short."""
+    R, K = S.shape
+    table = data.draw(monotone_costs(R * (K + 1) + 2))
+    caps = data.draw(st.one_of(st.none(), st.lists(st.integers(0, K + 1), min_size=R, max_size=R)))
+    rows = S.tolist()
+    assert rows_valid(rows)
+    B, lengths = solve_small(rows, caps, table, draft, n)
+    assert lengths == solve_budget(S, table, draft, n, caps=caps).tolist()
+    assert B == best_budget(S, table, draft, n, caps=caps)[0] == sum(lengths)
+
+
+def test_the_pure_python_solver_leaves_bad_input_to_the_numpy_path():
+    assert not rows_valid([[0.5, 0.6]]) and not rows_valid([[float("nan")]]) and not rows_valid([[1.2]])
+    assert not rows_valid([[-0.1]]) and rows_valid([[1.0, 0.5, 0.5, 0.0]])
+    assert solve_small([[0.5]], None, np.array([0.0, float("nan"), 1.0]), 0.0) is None  # numpy explains
+    assert solve_small([[0.5]], None, np.array([1.0]), 0.0) is None  # too short to extrapolate
+    assert solve_small([[0.5]], None, np.array([0.0, 1.0, 2.0]), float("inf")) is None
 
 
 # ------------------------------------------------------------------------------------- losslessness

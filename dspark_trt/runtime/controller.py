@@ -47,7 +47,8 @@ import numpy as np
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import spec_syntax
-from dspark_trt.runtime.solver import _best, _lengths, _survival, best_budget, solve_budget_for_b
+from dspark_trt.runtime.solver import (SMALL_SLOTS, _best, _lengths, _survival, best_budget, rows_valid,
+                                       solve_budget_for_b, solve_small)
 
 __all__ = ["AdaptiveController", "ControllerMetrics", "CostModel", "parse_spec"]
 
@@ -121,10 +122,14 @@ class AdaptiveController:
 
     spec: ``"adaptive"`` (default), ``"fixed:K"`` or ``"off"``.
     prior_survival: 1-D survival profile for new requests before any step (default 0.7^k).
-    prior_decay: weight of the newest step in the running mean profile used as the prior.
+    prior_decay: weight of one row (one request's step) in the running mean profile used as the prior.
+        A step of R rows weighs ``1 - (1 - prior_decay)^R``, and at least R / (rows seen so far), so the
+        profile is a plain mean until it has seen ~1/prior_decay rows. Weighting by rows, not steps, keeps
+        a stretch of near-empty steps (a batch draining; by then mostly the requests that were slowest
+        because they were least predictable) from replacing what dozens of full steps measured.
     """
 
-    def __init__(self, spec: str = "adaptive", *, prior_survival=None, prior_decay: float = 0.1,
+    def __init__(self, spec: str = "adaptive", *, prior_survival=None, prior_decay: float = 1 / 256,
                  metrics_window: int = 4096):
         self.policy, self.k_fixed = parse_spec(spec)
         if not 0 < prior_decay <= 1:
@@ -140,6 +145,7 @@ class AdaptiveController:
         self._rows = np.zeros((0, 0))  # last step's survivals, one row per request ...
         self._row_of: dict[Hashable, int] = {}  # ... found by request id
         self._mean: np.ndarray | None = None
+        self._seen = 0  # rows folded into the running mean profile
 
     @staticmethod
     def _check_row(row) -> np.ndarray:
@@ -174,8 +180,14 @@ class AdaptiveController:
         S = np.asarray(live_survival, dtype=np.float64)
         if S.ndim != 2:
             raise ValueError(f"live_survival must be (R, K); got shape {S.shape}")
-        S = _survival(S)  # validated once here; the solver's internals below do not repeat it
         R, K = S.shape
+        small = None
+        if 0 < R * K <= SMALL_SLOTS and self.policy == "adaptive" and not np.any(sampling_mask):
+            small = S.tolist()  # the greedy plan in pure Python (solver.SMALL_SLOTS), if the rows need no repair
+            if not rows_valid(small):
+                small = None
+        if small is None:
+            S = _survival(S)  # validated once here; the solver's internals below do not repeat it
         ids = list(request_ids)
         if len(ids) != R:
             raise ValueError(f"got {len(ids)} request ids for {R} survival rows")
@@ -199,6 +211,12 @@ class AdaptiveController:
         if R == 0:
             lengths, mode = np.zeros(0, np.int64), "exact"
         elif not sampling.any():
+            solved = None if small is None else solve_small(small, None if capv is None else capv.tolist(), table,
+                                                            draft_ms)
+            if solved is not None:
+                lengths, mode = np.array(solved[1], dtype=np.int64), "exact"
+                self._remember_rows(small, row_of, None if capv is None else capv.tolist())
+                return self._done(mode, lengths, t0, capped, prior)
             B, _, order = _best(S, capv, table, draft_ms, None)
             lengths, mode = _lengths(order, B, R), "exact"
         else:
@@ -237,12 +255,44 @@ class AdaptiveController:
         if S.shape[0] and S.shape[1]:
             # S is validated (in [0, 1], non-increasing), its continuation past a cap and the prior are
             # too, so their mean and any blend of such means are: no clip or running minimum needed.
-            mean = rows.sum(axis=0) / rows.shape[0]
+            R = rows.shape[0]
+            mean = rows.sum(axis=0) / R
+            self._seen += R
             if self._mean is None:
                 self._mean = mean
             else:
                 old = self._mean if self._mean.size == mean.size else _fit_width(self._mean[None, :], mean.size)[0]
-                self._mean = (1 - self.prior_decay) * old + self.prior_decay * mean
+                w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
+                self._mean = (1 - w) * old + w * mean
+
+    def _remember_rows(self, rows: list[list[float]], row_of: dict, caps: list[int] | None) -> None:
+        """:meth:`_remember` for valid rows as lists (the small greedy path): the same rows kept, the same
+        mean profile update, in plain Python."""
+        R, K = len(rows), len(rows[0])
+        if caps is not None and min(caps) < K:
+            prior = None
+            kept = []
+            for row, cap in zip(rows, caps):
+                if cap >= K:
+                    kept.append(row)
+                elif cap == 0:
+                    if prior is None:
+                        prior = self.prior_row(K).tolist()
+                    kept.append(prior)
+                else:  # continue the row's last per-position ratio past its cap (as _beyond_caps)
+                    last, prev = row[cap - 1], (row[cap - 2] if cap >= 2 else 1.0)
+                    ratio = 0.0 if prev <= 0.0 else min(last / max(prev, 1e-300), 1.0)
+                    kept.append(row[:cap] + [last * ratio ** (k - cap + 1) for k in range(cap, K)])
+            rows = kept
+        self._rows, self._row_of = np.array(rows, dtype=np.float64), row_of
+        mean = [sum(col) / R for col in zip(*rows)]
+        self._seen += R
+        if self._mean is None:
+            self._mean = np.array(mean)
+            return
+        old = self._mean.tolist() if self._mean.size == K else _fit_width(self._mean[None, :], K)[0].tolist()
+        w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
+        self._mean = np.array([(1 - w) * a + w * b for a, b in zip(old, mean)])
 
     def _done(self, mode: str, lengths: np.ndarray, t0: int, capped: int, prior: int = 0) -> np.ndarray:
         self.metrics.record(mode, lengths, time.perf_counter_ns() - t0, capped, prior)

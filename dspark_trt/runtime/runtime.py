@@ -40,7 +40,8 @@ PROBE_REQUESTS = 4  # ... for this many adaptive requests (in turn): enough to t
 PLAN_HEADROOM = 1  # draft steps planned beyond the prior's optimum, so live survivals can ask for more
 EXPLORE_EVERY = 8  # when the solver admits no draft this many steps running, verify one per request anyway
 CALL_TEST = True  # make a further draft call only if its expected surplus pays for its time
-GUARD_TIE = 0.1  # where the model says drafting loses by less than this, measurement (spec_guard) decides
+GUARD_TIE = 0.2  # where the model says drafting loses by less than this, measurement (spec_guard) decides ...
+GUARD_SURE = 0.25  # ... and where it says drafting wins by more than this, no trials of plain decoding are run
 STOP_FACTOR = 1.0  # keep drafting while the next survival is predicted above this x the last break-even survival
 PREFILL_BATCHING = True  # arriving prompts may wait a few steps to share a prefill call (prefill_batching.py)
 
@@ -117,8 +118,11 @@ class Runtime:
         self._in_step = False
         self.admit_threshold = 0.0  # break-even (corrected) survival of the last solve
         self._rate = 0.0  # recent output tokens per ms of step time (EW), the value of a millisecond
-        # Recent per-step time outside the engines (EW), for steps without and with drafting: scheduling,
-        # packing, solving, committing. Every step pays it whatever it verifies, so it belongs in the
+        # Recent per-step time outside the calls the cost model prices (EW), for steps without and with
+        # drafting: scheduling, solving, committing, and feeding new prompts to the draft. The priced calls
+        # (every drafting call and target call, feeds and KV writes included: that is what the cost tables
+        # learn) are not in it, or the planner would charge their packing twice; nor is the draft catching
+        # up on text generated while it did not draft (a cost of switching, which the guard measures). Every step pays it whatever it verifies, so it belongs in the
         # constant of the solver's denominator (ignoring it under-values emitting more tokens per step:
         # on a CPU, ~1 ms of a 7 ms step); and a drafting step pays more of it (the draft loop, the
         # solver, the survival bookkeeping: ~1.5 ms more at 16 requests here), which the draft-depth
@@ -127,6 +131,8 @@ class Runtime:
         # says little about 4, and one shared figure made drafting look dear long after load fell.
         self._overhead: dict[tuple[str, int], float] = {}
         self._overhead_n: dict[tuple[str, int], int] = {}
+        self._priced_ms = 0.0  # this step's full time in the calls the cost model prices
+        self._switch_ms = 0.0  # ... and in feeding the draft text generated while it did not draft
         # Measured check that speculating beats not speculating (spec_guard.py); None: trust the model.
         self.spec_guard: SpecGuard | None = SpecGuard()
         self._arm: str | None = None  # the guard's arm this step (None: the guard was not consulted)
@@ -357,6 +363,8 @@ class Runtime:
             return False
         t0 = time.perf_counter()
         engine_ms = 0.0
+        self._priced_ms = 0.0
+        self._switch_ms = 0.0
         self._arm = None
         self._probing = False
         decode = [r for r in active if r.uncached == 1]
@@ -418,6 +426,7 @@ class Runtime:
             target_ms += ms
             target_tokens += tokens
             verified += m
+        prefill_ms = ms if len(groups) > 1 else self._prefill_share(lengths_all, past_lens, nd)
         engine_ms += target_ms
         vl = np.asarray(vlens, dtype=np.int64)
 
@@ -467,7 +476,11 @@ class Runtime:
             self._rate = rate if self._rate == 0 else 0.9 * self._rate + 0.1 * rate
             self._tau_row = emitted / nd if self._tau_row == 0 else 0.9 * self._tau_row + 0.1 * emitted / nd
             if self._arm is not None:
-                self.spec_guard.record(nd, self._arm, emitted, wall_ms)
+                # The guard compares the arms' steady decode work: prompts arrive whichever arm runs, in
+                # lumps (a wave of finishes, prefill batching), and a trial of drafting opens with the draft
+                # catching up on everything it skipped, which an 8-step trial would weigh as if it
+                # recurred every 8 steps; a switch that sticks pays it once.
+                self.spec_guard.record(nd, self._arm, emitted, wall_ms - prefill_ms - self._switch_ms)
             # A running mean for the first 20 steps of a kind, then EW: one slow first step (allocations,
             # lazy imports) must not dominate for the next hundred. Probe steps (a few requests catching
             # up and drafting one token) are not what a drafting step costs.
@@ -475,7 +488,8 @@ class Runtime:
                 key = ("spec" if drafts else "plain", SpecGuard.bucket(nd))
                 n = self._overhead_n[key] = self._overhead_n.get(key, 0) + 1
                 old = self._overhead.get(key, 0.0)
-                self._overhead[key] = old + max(0.05, 1.0 / n) * (max(0.0, wall_ms - engine_ms) - old)
+                unpriced = wall_ms - self._priced_ms - self._switch_ms
+                self._overhead[key] = old + max(0.05, 1.0 / n) * (max(0.0, unpriced) - old)
         self.metrics.record_step(wall_ms, engine_ms, solver_us, verified, len(order),
                                  sum(len(d[0]) for d in drafts.values()))
         return True
@@ -515,10 +529,11 @@ class Runtime:
         ms = (time.perf_counter() - te) * 1e3
         self.target_kv.write(present, feeds["positions"], token_slots(feeds))
         tokens = int(feeds["tokens"].shape[0])
+        full = (time.perf_counter() - tv) * 1e3
+        self._priced_ms += full
         if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
             # writes grow with the tokens verified too.
-            full = (time.perf_counter() - tv) * 1e3
             self.cost.observe_verify(tokens, full)
             if self.cost.call_shape is not None:
                 self.cost.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full)
@@ -549,6 +564,13 @@ class Runtime:
             grown = 2 * (0 if self._zeros is None else self._zeros.shape[0])
             self._zeros = np.zeros((max(rows, grown), self.vocab), dtype=np.float32)
         return self._zeros[:rows]
+
+    def _prefill_share(self, lengths: list[int], past_lens: list[int], nd: int) -> float:
+        """Modelled ms that the prompt chunks packed into a decode call added to it (0 without chunks)."""
+        shape = self.cost.call_shape if self.cost is not None else None
+        if shape is None or nd == 0 or len(lengths) == nd:
+            return 0.0
+        return max(0.0, shape.ms(*packed_shape(lengths, past_lens)) - shape.ms(*packed_shape(lengths[:nd], past_lens[:nd])))
 
     def _split_prefill(self, dec_lens, dec_past, pre_lens, pre_past) -> bool:
         shape = self.cost.call_shape if self.cost is not None else None
@@ -594,6 +616,10 @@ class Runtime:
             return steps
         if steps <= 0 and self._spec_vs_plain < 1 - GUARD_TIE:
             return 0  # the model is sure drafting does not pay: no trials of it (probes still run)
+        if steps > 0 and self._spec_vs_plain > 1 + GUARD_SURE:
+            # The model is sure drafting pays (low load): a trial of plain steps would cost ~a third of
+            # its steps' output for a decision that is not close.
+            return steps
         self._arm = self.spec_guard.arm(n_decode, "spec" if steps > 0 else "plain")
         if self._arm == "plain":
             return 0
@@ -662,8 +688,15 @@ class Runtime:
             if not group:
                 break
             qs = [r.tokens[r.draft_len:r.draft_len + c] for r, c in group]
+            t = time.perf_counter()
             _, ms = self._run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group), observe=False)
             engine_ms += ms
+            # New prompts must reach the draft in any drafting regime: that share of the call stays in the
+            # step overhead the planner charges to drafting. Requests that decoded a while without drafting
+            # are the price of switching into drafting, which the guard measures, not the steady state the
+            # planner models.
+            switch = sum(c for r, c in group if r.stats.steps > 1)
+            self._switch_ms += (time.perf_counter() - t) * 1e3 * switch / sum(c for _, c in group)
             for r, c in group:
                 r.draft_len += c
         current = list(reqs)
@@ -751,10 +784,13 @@ class Runtime:
         outs, present = self.backend.run_draft(feeds, self.draft_kv.past(int(feeds["past_lens"].max())))
         ms = (time.perf_counter() - t) * 1e3
         self.draft_kv.write(present, feeds["positions"], token_slots(feeds))
-        if observe and self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
-            # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a sizeable
-            # share of a small draft call, and the planner must weigh what a draft step really costs.
-            self.cost.observe_draft(len(reqs), (time.perf_counter() - t0) * 1e3)
+        if observe:
+            full = (time.perf_counter() - t0) * 1e3
+            self._priced_ms += full
+            if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
+                # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a
+                # sizeable share of a small draft call, and the planner must weigh what it really costs.
+                self.cost.observe_draft(len(reqs), full)
         return outs, ms
 
     # ------------------------------------------------------------------ verify lengths

@@ -37,10 +37,13 @@ not depend on the current drafts (the previous step's survivals) and allocate wi
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 __all__ = [
     "MONOTONE_ATOL",
+    "SMALL_SLOTS",
     "best_budget",
     "cap_depth",
     "extend_linear",
@@ -53,6 +56,10 @@ __all__ = [
 #: positions <= k only, so the lossless argument above still holds).
 MONOTONE_ATOL = 1e-5
 _INT64_MAX = np.iinfo(np.int64).max
+#: Up to this many slots (R x K) the controller solves in pure Python (:func:`solve_small`): there each
+#: numpy call costs more than the arithmetic it does, several times more right after an engine call
+#: has evicted the caches (~5 us a call measured in a step at 4 requests, ~0.3 ms a step in all).
+SMALL_SLOTS = 64
 
 
 def _survival(survival) -> np.ndarray:
@@ -249,6 +256,67 @@ def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emittin
         return np.zeros(0, np.int64)
     B, _, order = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
     return _lengths(order, B, R)
+
+
+def rows_valid(rows: list[list[float]]) -> bool:
+    """True when survival rows (lists) are already what :func:`_survival` returns them as: probabilities in
+    [0, 1], non-increasing along each row, no NaN (which fails every comparison). Anything else goes the
+    numpy way, which repairs or explains."""
+    for row in rows:
+        prev = 1.0
+        for x in row:
+            if not 0.0 <= x <= prev:
+                return False
+            prev = x
+    return True
+
+
+def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms, draft_cost_ms: float,
+                n_emitting=None) -> tuple[int, list[int]] | None:
+    """(B*, verify lengths) of :func:`solve_budget` in pure Python, for a few valid rows (see rows_valid).
+
+    The same computation as the numpy path, in the same order: slots ranked by survival, ties to the
+    earlier position then the lower request (a stable sort of the k-major slots), the objective's
+    numerator summed in rank order, the same cost table extrapolation, the first maximum. So the result
+    is identical, not just close. Returns None where the numpy path must answer instead (a cost table or
+    draft cost it would reject, or too short to extrapolate): it raises the error that explains.
+    """
+    R = len(rows)
+    K = len(rows[0]) if R else 0
+    d = float(draft_cost_ms)
+    N = float(R if n_emitting is None else n_emitting)
+    if not (0.0 <= d < math.inf and 0.0 <= N < math.inf):
+        return None
+    vals, slot = [], []
+    for k in range(K):
+        for r in range(R):
+            if caps is None or k < caps[r]:
+                vals.append(rows[r][k])
+                slot.append(r)
+    order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep k-major order
+    table = verify_cost_ms.tolist() if isinstance(verify_cost_ms, np.ndarray) else [float(x) for x in verify_cost_ms]
+    n = len(table)
+    end = R + len(order) + 1
+    if end > n:
+        if n < 2:
+            return None
+        last, slope = table[-1], table[-1] - table[-2]
+        table = table + [last + m * slope for m in range(1, end - n + 1)]
+    g = N
+    best_obj, best = -math.inf, 0
+    for b in range(len(order) + 1):
+        if b:
+            g += vals[order[b - 1]]
+        denom = table[R + b] + d
+        if not denom > 0.0:
+            return None
+        obj = g / denom
+        if obj > best_obj:
+            best_obj, best = obj, b
+    lengths = [0] * R
+    for i in order[:best]:
+        lengths[slot[i]] += 1
+    return best, lengths
 
 
 def cap_depth(lengths, survival, call_ms, fixed_ms: float = 0.0, base_gain: float = 0.0) -> int:

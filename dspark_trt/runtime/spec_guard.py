@@ -6,9 +6,12 @@ decision, and measured rates are the direct answer. Per load bucket (number of d
 rounded to a power of two) the guard keeps the output rate (tokens per ms of step wall time) of steps
 run with drafting ("spec") and without ("plain"), runs the cost model's choice until both arms are
 measured and then the arm it is on unless the other is measurably faster, and now and then runs a short
-trial of the arm it is not running so both rates stay current. Switching into "spec" makes the draft
-catch up on everything it skipped; those steps count against "spec", since that is what switching
-costs (at 64 requests, hundreds of tokens per request after a long plain stretch).
+trial of the arm it is not running so both rates stay current. The runtime feeds it each arm's steady
+decode work: without the prefill that lands on a step whichever arm runs, and without the draft
+catching up on what it skipped after a switch into "spec" (at 64 requests, hundreds of tokens per
+request after a long plain stretch). A switch that sticks pays that once; an 8-step trial that counted
+it would weigh it as if it recurred every 8 steps and never find drafting worth its while. Switches
+stay rare through the margin below, not through the measurement.
 
 Rates are ratios of exponentially weighted sums (tokens / ms), not averages of per-step ratios, and an
 arm takes over from the model's choice only if it leads by MARGIN plus Z standard errors: one step of a
@@ -119,8 +122,8 @@ class SpecGuard:
         return b.arm
 
     def record(self, n_decode: int, arm: str, tokens: float, ms: float) -> None:
-        """Feed back a step that ran `arm`: output tokens and wall ms. Every step counts, including the
-        draft's catch-up after a switch into "spec": that is what switching costs."""
+        """Feed back a step that ran `arm`: output tokens and the ms of its decode work (see the module
+        docstring for what the runtime leaves out)."""
         b = self._b.get(self.bucket(n_decode))
         if b is None or arm != b.arm or not (ms > 0 and tokens >= 0):
             return
