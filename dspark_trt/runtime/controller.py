@@ -146,6 +146,7 @@ class AdaptiveController:
         self._row_of: dict[Hashable, int] = {}  # ... found by request id
         self._mean: np.ndarray | None = None
         self._seen = 0  # rows folded into the running mean profile
+        self._cond: list[float] | None = None  # its conditional acceptances (conditional_acceptance)
 
     @staticmethod
     def _check_row(row) -> np.ndarray:
@@ -160,6 +161,15 @@ class AdaptiveController:
         if base is None:
             return DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64)
         return _fit_width(base[None, :], K)[0]
+
+    def conditional_acceptance(self, K: int) -> list[float]:
+        """``[0, S_2/S_1, ..., S_K/S_(K-1)]`` of the prior profile (prior_row), as a list: the chance that
+        draft k+1 is accepted given draft k was. Cached until the profile moves."""
+        c = self._cond
+        if c is None or len(c) != K:
+            prior = self.prior_row(K).tolist()
+            c = self._cond = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(prior, prior[1:])]
+        return c
 
     def previous_row(self, request_id: Hashable) -> np.ndarray | None:
         """The survival row stored for ``request_id`` at the last step it was planned in (or None)."""
@@ -177,17 +187,15 @@ class AdaptiveController:
         draft run. caps: optional (R,) most drafts each request may verify.
         """
         t0 = time.perf_counter_ns()
+        if self.policy == "adaptive":
+            planned = self._plan_small(live_survival, request_ids, sampling_mask, cost, draft_batch, caps, t0)
+            if planned is not None:
+                return planned
         S = np.asarray(live_survival, dtype=np.float64)
         if S.ndim != 2:
             raise ValueError(f"live_survival must be (R, K); got shape {S.shape}")
+        S = _survival(S)  # validated once here; the solver's internals below do not repeat it
         R, K = S.shape
-        small = None
-        if 0 < R * K <= SMALL_SLOTS and self.policy == "adaptive" and not np.any(sampling_mask):
-            small = S.tolist()  # the greedy plan in pure Python (solver.SMALL_SLOTS), if the rows need no repair
-            if not rows_valid(small):
-                small = None
-        if small is None:
-            S = _survival(S)  # validated once here; the solver's internals below do not repeat it
         ids = list(request_ids)
         if len(ids) != R:
             raise ValueError(f"got {len(ids)} request ids for {R} survival rows")
@@ -211,12 +219,6 @@ class AdaptiveController:
         if R == 0:
             lengths, mode = np.zeros(0, np.int64), "exact"
         elif not sampling.any():
-            solved = None if small is None else solve_small(small, None if capv is None else capv.tolist(), table,
-                                                            draft_ms)
-            if solved is not None:
-                lengths, mode = np.array(solved[1], dtype=np.int64), "exact"
-                self._remember_rows(small, row_of, None if capv is None else capv.tolist())
-                return self._done(mode, lengths, t0, capped, prior)
             B, _, order = _best(S, capv, table, draft_ms, None)
             lengths, mode = _lengths(order, B, R), "exact"
         else:
@@ -252,6 +254,7 @@ class AdaptiveController:
         else:
             rows = _beyond_caps(S, caps, self.prior_row(S.shape[1]))
         self._rows, self._row_of = rows, row_of
+        self._cond = None
         if S.shape[0] and S.shape[1]:
             # S is validated (in [0, 1], non-increasing), its continuation past a cap and the prior are
             # too, so their mean and any blend of such means are: no clip or running minimum needed.
@@ -264,6 +267,35 @@ class AdaptiveController:
                 old = self._mean if self._mean.size == mean.size else _fit_width(self._mean[None, :], mean.size)[0]
                 w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
                 self._mean = (1 - w) * old + w * mean
+
+    def _plan_small(self, live, request_ids, sampling_mask, cost: CostModel, draft_batch: int, caps, t0: int
+                    ) -> np.ndarray | None:
+        """The greedy plan in pure Python for up to solver.SMALL_SLOTS slots (same answer as the numpy path,
+        see solver.solve_small). None when the numpy path must plan: too many slots, a sampling request,
+        or input it would repair or reject (it then explains)."""
+        rows = live.tolist() if isinstance(live, np.ndarray) else live
+        if not isinstance(rows, list) or not rows or not isinstance(rows[0], list):
+            return None
+        R, K = len(rows), len(rows[0])
+        if R * K > SMALL_SLOTS or K == 0 or any(len(row) != K for row in rows) or any(sampling_mask):
+            return None
+        ids = list(request_ids)
+        row_of = {rid: i for i, rid in enumerate(ids)}
+        if len(ids) != R or len(row_of) != R or len(sampling_mask) != R or not rows_valid(rows):
+            return None
+        cap_list = None
+        if caps is not None:
+            cap_list = caps.tolist() if isinstance(caps, np.ndarray) else list(caps)
+            if len(cap_list) != R or not all(isinstance(c, int) and c >= 0 for c in cap_list):
+                return None  # the numpy path validates whole numbers of other types (and explains)
+            cap_list = [min(c, K) for c in cap_list]
+        draft_ms = float(cost.draft_ms(int(draft_batch))) if draft_batch else 0.0
+        solved = solve_small(rows, cap_list, cost.verify_table(), draft_ms)
+        if solved is None:
+            return None
+        self._remember_rows(rows, row_of, cap_list)
+        capped = 0 if cap_list is None else sum(c < K for c in cap_list)
+        return self._done("exact", np.array(solved[1], dtype=np.int64), t0, capped)
 
     def _remember_rows(self, rows: list[list[float]], row_of: dict, caps: list[int] | None) -> None:
         """:meth:`_remember` for valid rows as lists (the small greedy path): the same rows kept, the same
@@ -287,12 +319,12 @@ class AdaptiveController:
         self._rows, self._row_of = np.array(rows, dtype=np.float64), row_of
         mean = [sum(col) / R for col in zip(*rows)]
         self._seen += R
-        if self._mean is None:
-            self._mean = np.array(mean)
-            return
-        old = self._mean.tolist() if self._mean.size == K else _fit_width(self._mean[None, :], K)[0].tolist()
-        w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
-        self._mean = np.array([(1 - w) * a + w * b for a, b in zip(old, mean)])
+        if self._mean is not None:
+            old = self._mean.tolist() if self._mean.size == K else _fit_width(self._mean[None, :], K)[0].tolist()
+            w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
+            mean = [(1 - w) * a + w * b for a, b in zip(old, mean)]
+        self._mean = np.array(mean)
+        self._cond = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(mean, mean[1:])]
 
     def _done(self, mode: str, lengths: np.ndarray, t0: int, capped: int, prior: int = 0) -> np.ndarray:
         self.metrics.record(mode, lengths, time.perf_counter_ns() - t0, capped, prior)

@@ -140,7 +140,6 @@ class Runtime:
         self._since_probe = 0
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
         self._spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
-        self._cond_cache: list[float] | None = None  # this step's profile conditionals (_keep_drafting)
         self._probes = 0
         self._plan_cache: dict = {}
         self._unverified_steps = 0
@@ -701,7 +700,6 @@ class Runtime:
                 r.draft_len += c
         current = list(reqs)
         queries = [r.tokens[r.draft_len:] for r in current]
-        self._cond_cache = None
         prev = {r.id: 1.0 for r in reqs}
         # Survivals as the solver will see them (online-corrected), kept up as drafting goes.
         shifts = self.survival_correction.active_shifts() if self.survival_correction is not None else None
@@ -755,10 +753,8 @@ class Runtime:
         """
         if not reqs:
             return set()
-        if self._cond_cache is None:  # the profile's conditional acceptance per position, once per step
-            prior = [float(x) for x in self.controller.prior_row(self.max_draft)]
-            self._cond_cache = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(prior, prior[1:])]
-        cond = self._cond_cache[drafted] if drafted < len(self._cond_cache) else 0.0
+        conds = self.controller.conditional_acceptance(self.max_draft)
+        cond = conds[drafted] if drafted < len(conds) else 0.0
         theta = self.admit_threshold
         bar = theta * STOP_FACTOR
         keep, surplus = set(), 0.0
@@ -807,19 +803,18 @@ class Runtime:
                 adaptive.append(r)
         if not adaptive:
             return lengths, 0.0
-        live = np.zeros((len(adaptive), self.max_draft), dtype=np.float64)
-        caps = np.zeros(len(adaptive), dtype=np.int64)
-        for i, r in enumerate(adaptive):
-            s = drafts[r.id][3]  # online-corrected survivals
-            live[i, :len(s)] = s
-            caps[i] = len(s)
+        # Lists, not arrays: for a few requests the controller plans in plain Python (solver.SMALL_SLOTS),
+        # where every numpy call would cost more than its arithmetic.
+        K = self.max_draft
+        rows = [drafts[r.id][3] for r in adaptive]  # online-corrected survivals
+        caps = [len(s) for s in rows]
+        live = [s + [0.0] * (K - len(s)) for s in rows]
         fixed_ms = draft_ms + self._overhead_ms("spec", len(decode))
         t = time.perf_counter_ns()
         others = len(decode) - len(adaptive) + sum(lengths.values())
         table = self._verify_table(others, len(decode))
-        plan = self.controller.plan(live, [r.id for r in adaptive], np.asarray([r.sampling for r in adaptive]),
-                                    _StepCost(table, fixed_ms),
-                                    len(adaptive), caps=caps)
+        plan = self.controller.plan(live, [r.id for r in adaptive], [r.sampling for r in adaptive],
+                                    _StepCost(table, fixed_ms), len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
         exploring = False
         if self.survival_correction is not None:
@@ -833,14 +828,14 @@ class Runtime:
                 exploring = True
         if not exploring and plan.any() and self.cost is not None and self.cost.call_shape is not None:
             plan = self._cap_depth(plan, live, decode, lengths, drafts, fixed_ms)
+        plan = plan.tolist()
         for r, L in zip(adaptive, plan):
-            lengths[r.id] = int(L)
+            lengths[r.id] = L
         # Drafting further than the solver admits is wasted work: stop drafting next step once a
         # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
-        admitted = live[np.arange(live.shape[1])[None, :] < plan[:, None]]
-        self.admit_threshold = self._marginal_survival(len(adaptive), float(admitted.sum()), int(plan.sum()),
-                                                       table, fixed_ms)
+        admitted = sum(sum(s[:L]) for s, L in zip(rows, plan))
+        self.admit_threshold = self._marginal_survival(len(adaptive), admitted, sum(plan), table, fixed_ms)
         return lengths, solver_us
 
     def _overhead_ms(self, kind: str, n_decode: int) -> float:
@@ -852,7 +847,7 @@ class Runtime:
         key = min(self._overhead, key=lambda k: (k[0] != kind, abs(k[1] - b), k[1]))
         return self._overhead[key]
 
-    def _cap_depth(self, plan: np.ndarray, live: np.ndarray, decode: list[Request], fixed: dict, drafts: dict,
+    def _cap_depth(self, plan: np.ndarray, live: list, decode: list[Request], fixed: dict, drafts: dict,
                    fixed_ms: float) -> np.ndarray:
         """Cap adaptive verify lengths where padding every row to the deepest stops paying (solver.cap_depth)."""
         shape = self.cost.call_shape
