@@ -65,6 +65,22 @@ def test_drift_follows_a_uniform_slowdown_and_is_bounded():
     assert np.isfinite(m.ms(64, 32, 2, 100))
 
 
+def test_drift_is_learned_per_call_width():
+    """Many small calls running as predicted must not hide that 64-row calls run 30% slower: each width
+    (rows, nearest power of two) has its own factor; a width never observed takes the global one."""
+    m = CallShapeCost(MEASURED)
+    wide, narrow, unseen = m.ms(64, 64, 1, 100), m.ms(8, 2, 4, 60), m.ms(16, 16, 1, 100)
+    for i in range(1000):
+        if i % 5 == 0:
+            m.observe(64, 64, 1, 100, 1.3 * wide)
+        else:
+            m.observe(8, 2, 4, 60, narrow)
+    assert m.ms(64, 64, 1, 100) == pytest.approx(1.3 * wide, rel=1e-3)
+    assert m.ms(60, 60, 1, 100) / float(features(60, 60, 1, 100) @ MEASURED) == pytest.approx(1.3, rel=1e-3)
+    assert m.ms(8, 2, 4, 60) == pytest.approx(narrow, rel=1e-3)
+    assert 1.0 < m.ms(16, 16, 1, 100) / unseen < 1.3  # unseen width: the global factor, a blend
+
+
 @pytest.mark.parametrize("coef", [[0, 0, 0, 0], [1, -1, 0, 0], [1, 2, 3], [np.nan, 1, 1, 1]])
 def test_bad_coefficients_are_refused(coef):
     with pytest.raises(ValueError):

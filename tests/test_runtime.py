@@ -297,3 +297,46 @@ def test_the_guard_runs_no_plain_trials_where_the_model_is_sure_drafting_pays(ti
             assert bool(rt.spec_guard.report()) != sure  # it was consulted only there
         finally:
             rt.close()
+
+
+def test_a_switch_into_drafting_is_charged_to_neither_the_guard_nor_the_step_overhead(tiny_artifact):
+    """After steps without drafting, the draft catches up on everything it skipped. That is the price of
+    switching, paid once, not of drafting: the guard's rate and the step overhead the planner charges to
+    drafting leave it out (an 8-step trial would otherwise weigh it as if it recurred every 8 steps)."""
+    from dspark_trt.runtime import runtime as runtime_mod
+
+    rt = Runtime.load(tiny_artifact, profile="none", max_batch=4)
+    try:
+        script = iter([0] * 6 + [2] * 100)
+
+        def planner(n_adaptive, n_decode):
+            steps = next(script)
+            rt._arm = "spec" if steps else "plain"
+            rt.spec_guard.arm(n_decode, rt._arm)  # keep the guard's own record of the arm in step
+            return steps
+
+        rt._plan_draft_steps = planner
+        fed, steps = [], []
+        record = rt.spec_guard.record
+        rt.spec_guard.record = lambda nd, arm, tokens, ms: (fed.append((arm, ms, rt._switch_ms)),
+                                                            record(nd, arm, tokens, ms))
+        step = rt.step
+
+        def timed_step():
+            t = runtime_mod.time.perf_counter()
+            out = step()
+            steps.append(((runtime_mod.time.perf_counter() - t) * 1e3, rt._switch_ms, rt._priced_ms, dict(rt._overhead)))
+            return out
+
+        rt.step = timed_step
+        rt.generate(PROMPTS[:4], GenerationConfig(max_new_tokens=16, spec="adaptive"))
+    finally:
+        rt.close()
+    switches = [i for i, (_, switch, _, _) in enumerate(steps) if switch > 0]
+    assert switches, "the first drafting step after the plain ones catches the draft up"
+    first = switches[0]
+    wall, switch, priced, overhead = steps[first]
+    arm, ms, fed_switch = [f for f in fed if f[2] > 0][0]
+    assert arm == "spec" and fed_switch == switch and ms <= wall - switch
+    spec_overhead = [v for k, v in overhead.items() if k[0] == "spec"]
+    assert spec_overhead and max(spec_overhead) <= wall - priced - switch + 1e-9

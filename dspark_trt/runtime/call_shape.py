@@ -13,7 +13,11 @@ step's verification may go before padding every row to that depth stops paying.
 
 Fit: non-negative least squares over the four features (every subset solved, the best feasible one
 kept: four features make that exact and cheap), from calls of known shape timed by the profiler. Online,
-one exponentially weighted log-ratio (observed / predicted) follows the machine's drift.
+exponentially weighted log-ratios (observed / predicted) follow the machine's drift: one per call width
+(rows, to the nearest power of two), starting from a global one. The profile's shapes cannot cover every
+width the way a running batch does, and a single factor learned mostly from the many small calls (prompt
+chunks, a few requests) left 64-row calls ~15% dearer than predicted here, a bias that falls unevenly on
+plain and drafting steps.
 """
 
 from __future__ import annotations
@@ -61,7 +65,8 @@ class CallShapeCost:
             raise ValueError(f"call-shape coefficients must be {len(FEATURES)} finite values >= 0, not all 0; "
                              f"got {coef!r}")
         self.coef = c
-        self.log_drift = 0.0
+        self.log_drift = 0.0  # global: for call widths not observed yet
+        self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
 
     @classmethod
     def from_points(cls, points) -> "CallShapeCost":
@@ -71,24 +76,40 @@ class CallShapeCost:
             raise ValueError(f"need at least {len(FEATURES)} call shapes as [tokens, rows, longest, past, ms]")
         return cls(fit_nonnegative(features(*a[:, :4].T), a[:, 4]))
 
+    @staticmethod
+    def _width(rows: int) -> int:
+        return int(round(math.log2(max(1, rows))))
+
+    def drift(self, rows: int) -> float:
+        """The log drift factor applied to calls of this many rows."""
+        return self.width_drift.get(self._width(rows), self.log_drift)
+
     def ms(self, tokens: int, rows: int, longest: int, past: int) -> float:
         """Predicted ms of one call (drift-corrected)."""
+        return self.base_ms(tokens, rows, longest, past) * math.exp(self.drift(rows))
+
+    def base_ms(self, tokens: int, rows: int, longest: int, past: int) -> float:
+        """The fitted model's ms of one call, before drift correction."""
         f = (1.0, tokens, rows * past / 100.0, rows * longest * (past + longest) / 1000.0)
         c = self.coef
-        return (c[0] * f[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3]) * math.exp(self.log_drift)
+        return c[0] * f[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3]
 
     def table(self, tokens: np.ndarray, rows: int, longest: np.ndarray, past: int) -> np.ndarray:
         """:meth:`ms` over arrays of token counts and longest queries, for one set of rows (drift-corrected)."""
-        c = self.coef * math.exp(self.log_drift)
+        c = self.coef * math.exp(self.drift(rows))
         return (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
 
     def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float) -> None:
-        """Feed back a measured call; the drift factor follows observed / predicted (bounded)."""
-        pred = self.ms(tokens, rows, longest, past) * math.exp(-self.log_drift)
+        """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded)."""
+        pred = self.base_ms(tokens, rows, longest, past)
         if not (ms > 0 and pred > 0 and math.isfinite(ms)):
             return
-        d = self.log_drift + self.ALPHA * (math.log(ms / pred) - self.log_drift)
-        self.log_drift = min(max(d, self.BOUNDS[0]), self.BOUNDS[1])
+        x = math.log(ms / pred)
+        lo, hi = self.BOUNDS
+        w = self._width(rows)
+        own = self.width_drift.get(w, self.log_drift)
+        self.width_drift[w] = min(max(own + self.ALPHA * (x - own), lo), hi)
+        self.log_drift = min(max(self.log_drift + self.ALPHA * (x - self.log_drift), lo), hi)
 
 
 def packed_shape(query_lens, past_lens) -> tuple[int, int, int, int]:
