@@ -340,3 +340,17 @@ def test_a_switch_into_drafting_is_charged_to_neither_the_guard_nor_the_step_ove
     assert arm == "spec" and fed_switch == switch and ms <= wall - switch
     spec_overhead = [v for k, v in overhead.items() if k[0] == "spec"]
     assert spec_overhead and max(spec_overhead) <= wall - priced - switch + 1e-9
+
+
+def test_the_break_even_survival_shares_a_layers_padding_jump_across_the_layer():
+    """Eight rows verifying one draft each sit at a layer's end: one more draft on any row pads all eight
+    rows a token deeper (a 5 ms jump), which a whole layer of drafts shares. Charging the jump to a few
+    tokens would put the break-even survival above 1 and stop every request drafting."""
+    rows, per_token, jump = 8, 0.1, 5.0
+    t = np.arange(64)
+    table = 10.0 + per_token * t + jump * np.ceil(np.maximum(t - rows, 0) / rows)
+    table[0] = 0.0
+    rate = (rows + 6.0) / (2.0 + table[2 * rows])  # 8 emitted + 6 expected accepted, 2 ms drafting
+    theta = Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=rows)
+    assert theta == pytest.approx(rate * (jump + rows * per_token) / rows)
+    assert theta < 0.7 < 1.0 < Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=4)

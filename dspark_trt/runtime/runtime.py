@@ -835,7 +835,8 @@ class Runtime:
         # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = sum(sum(s[:L]) for s, L in zip(rows, plan))
-        self.admit_threshold = self._marginal_survival(len(adaptive), admitted, sum(plan), table, fixed_ms)
+        self.admit_threshold = self._marginal_survival(len(adaptive), admitted, sum(plan), table, fixed_ms,
+                                                       span=max(4, len(decode)))
         return lengths, solver_us
 
     def _overhead_ms(self, kind: str, n_decode: int) -> float:
@@ -871,9 +872,12 @@ class Runtime:
     def _marginal_survival(requests: int, admitted_sum: float, budget: int, table: np.ndarray,
                            draft_ms: float, span: int = 4) -> float:
         """The survival at which one more verified draft breaks even at this step's solution: the
-        step's expected output per ms times the marginal cost of a verified token (averaged over `span`
-        tokens, the table is noisy token to token). Unlike the weakest admitted survival, this does not
-        rise when the solver admits everything that was drafted, so drafting depth cannot ratchet down."""
+        step's expected output per ms times the marginal cost of a verified token, averaged over `span`
+        tokens. The runtime spans a layer of the call (one more token for each of its rows): with padding
+        every layer deeper costs a jump that only a whole layer shares, and a solution sits at a layer's
+        end whenever the rows verify alike, where a span of a few tokens would charge the next jump to
+        them and stop every request drafting. Unlike the weakest admitted survival, this does not rise
+        when the solver admits everything that was drafted, so drafting depth cannot ratchet down."""
         t = requests + budget
         cost = draft_ms + table_lookup(table, t)
         if cost <= 0:
