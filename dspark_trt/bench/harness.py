@@ -418,8 +418,9 @@ DEFINITIONS = """\
   request generates exactly max-new-tokens tokens), i.e. from the first completion (before it all requests
   started together in one prefill wave) to the last submission (after it the batch drains, and the run's
   length turns on its slowest last requests: a mode whose request latencies vary more would lose
-  throughput it does not lose in steady state), summed over rounds. **whole run** is the older figure,
-  all tokens / wall time from the first submission to the last completion.
+  throughput it does not lose in steady state); the median over rounds (one round hit by a burst of
+  outside load moves it little). **whole run** is the older figure, all tokens / wall time from the
+  first submission to the last completion, summed over rounds.
 - **per-user tok/s**: per request, generated tokens / latency (submission to last token, prefill
   included). p50 is the median; **p90 is the tail**: 90% of requests were at least this fast (the 10th
   percentile of the rates).
@@ -676,10 +677,12 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
         row["output_tok_s_whole_run"] = row["output_tok_s"]
         row["steady_state"] = all(w is not None for w in windows)
         if row["steady_state"]:  # every round had a full-concurrency window: the headline figure is its rate
-            row["output_tok_s"] = sum(w[0] for w in windows) / sum(w[1] for w in windows)
             row["round_output_tok_s"] = [w[0] / w[1] for w in windows]
         else:
             row["round_output_tok_s"] = whole
+        # The median over rounds: a burst of load from outside (a shared machine) that hits one round of
+        # one mode moves a sum of rounds by its whole size, the median not at all.
+        row["output_tok_s"] = float(np.median(row["round_output_tok_s"]))
         row["round_output_tok_s_whole_run"] = whole
         # The runtime's online survival recalibration after this cell (learned from every mode so far).
         row["survival_correction"] = runs[-1].get("survival_correction")
