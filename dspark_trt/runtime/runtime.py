@@ -122,13 +122,14 @@ class Runtime:
         # drafting: scheduling, solving, committing, and feeding new prompts to the draft. The priced calls
         # (every drafting call and target call, feeds and KV writes included: that is what the cost tables
         # learn) are not in it, or the planner would charge their packing twice; nor is the draft catching
-        # up on text generated while it did not draft (a cost of switching, which the guard measures). Every step pays it whatever it verifies, so it belongs in the
-        # constant of the solver's denominator (ignoring it under-values emitting more tokens per step:
-        # on a CPU, ~1 ms of a 7 ms step); and a drafting step pays more of it (the draft loop, the
-        # solver, the survival bookkeeping: ~1.5 ms more at 16 requests here), which the draft-depth
-        # planner must charge to drafting at all. Kept per load (decode requests, to the nearest power
-        # of two): most of it is per-request work, so a figure learned at 64 requests (or in a warm-up)
-        # says little about 4, and one shared figure made drafting look dear long after load fell.
+        # up on text generated while it did not draft (a cost of switching, which the guard measures).
+        # Every step pays it whatever it verifies, so it belongs in the constant of the solver's
+        # denominator (ignoring it under-values emitting more tokens per step); and a drafting step pays
+        # more of it (the draft loop, the solver, the survival bookkeeping, new prompts through the draft:
+        # ~2.5 ms more at 32 requests here), which the draft-depth planner must charge to drafting at all.
+        # Kept per load (decode requests, to the nearest power of two): most of it is per-request work, so
+        # a figure learned at 64 requests (or in a warm-up) says little about 4, and one shared figure made
+        # drafting look dear long after load fell.
         self._overhead: dict[tuple[str, int], float] = {}
         self._overhead_n: dict[tuple[str, int], int] = {}
         self._priced_ms = 0.0  # this step's full time in the calls the cost model prices
@@ -569,7 +570,8 @@ class Runtime:
         shape = self.cost.call_shape if self.cost is not None else None
         if shape is None or nd == 0 or len(lengths) == nd:
             return 0.0
-        return max(0.0, shape.ms(*packed_shape(lengths, past_lens)) - shape.ms(*packed_shape(lengths[:nd], past_lens[:nd])))
+        whole = shape.ms(*packed_shape(lengths, past_lens))
+        return max(0.0, whole - shape.ms(*packed_shape(lengths[:nd], past_lens[:nd])))
 
     def _split_prefill(self, dec_lens, dec_past, pre_lens, pre_past) -> bool:
         shape = self.cost.call_shape if self.cost is not None else None
