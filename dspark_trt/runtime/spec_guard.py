@@ -36,8 +36,8 @@ MIN_EVERY, MAX_EVERY = 48, 1000
 FIRST = 16  # steps of the model's arm before the first trial of the other in a new bucket
 LOSS_BUDGET = 0.01
 MARGIN = 0.03  # the other arm must be this much faster than the model's choice to take over ...
-Z = 1.0  # ... plus this many standard errors of the difference (a wrong switch costs one draft catch-up;
-#          staying on the slower arm costs its gap every step until the next trial, 48+ steps away)
+Z = 2.0  # ... plus this many standard errors of the difference (at 16 requests a step's output is noisy
+#          enough that one standard error flipped the guard to plain decoding for whole runs)
 ALPHA = 0.05  # weight of one step in an arm's sums (~20 steps of memory, across trials)
 
 
