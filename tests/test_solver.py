@@ -204,6 +204,7 @@ def test_the_pure_python_solver_leaves_bad_input_to_the_numpy_path():
     assert solve_small([[0.5]], None, np.array([0.0, float("nan"), 1.0]), 0.0) is None  # numpy explains
     assert solve_small([[0.5]], None, np.array([1.0]), 0.0) is None  # too short to extrapolate
     assert solve_small([[0.5]], None, np.array([0.0, 1.0, 2.0]), float("inf")) is None
+    assert solve_small([[0.5]], None, np.ones((3, 2)), 0.0) is None  # not a 1-D table
 
 
 # ------------------------------------------------------------------------------------- losslessness

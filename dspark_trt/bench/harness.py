@@ -676,12 +676,12 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
         windows = [steady_window(run.get("timeline", []), run["requests"]) for run in runs]
         row["output_tok_s_whole_run"] = row["output_tok_s"]
         row["steady_state"] = all(w is not None for w in windows)
-        if row["steady_state"]:  # every round had a full-concurrency window: the headline figure is its rate
+        if row["steady_state"]:  # every round had a full-concurrency window: its rate is the round's figure
             row["round_output_tok_s"] = [w[0] / w[1] for w in windows]
         else:
             row["round_output_tok_s"] = whole
         # The median over rounds: a burst of load from outside (a shared machine) that hits one round of
-        # one mode moves a sum of rounds by its whole size, the median not at all.
+        # one mode moves a sum of rounds by its whole size, the median little.
         row["output_tok_s"] = float(np.median(row["round_output_tok_s"]))
         row["round_output_tok_s_whole_run"] = whole
         # The runtime's online survival recalibration after this cell (learned from every mode so far).

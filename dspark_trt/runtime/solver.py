@@ -294,7 +294,12 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
                 vals.append(rows[r][k])
                 slot.append(r)
     order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep k-major order
-    table = verify_cost_ms.tolist() if isinstance(verify_cost_ms, np.ndarray) else [float(x) for x in verify_cost_ms]
+    if isinstance(verify_cost_ms, np.ndarray):
+        if verify_cost_ms.ndim != 1:
+            return None
+        table = verify_cost_ms.tolist()
+    else:
+        table = [float(x) for x in verify_cost_ms]
     n = len(table)
     end = R + len(order) + 1
     if end > n:
