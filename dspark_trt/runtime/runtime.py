@@ -426,7 +426,7 @@ class Runtime:
             target_ms += ms
             target_tokens += tokens
             verified += m
-        prefill_ms = ms if len(groups) > 1 else self._prefill_share(lengths_all, past_lens, nd)
+        last_call_ms = ms  # the prompt chunks' own call when they got one
         engine_ms += target_ms
         vl = np.asarray(vlens, dtype=np.int64)
 
@@ -480,6 +480,7 @@ class Runtime:
                 # lumps (a wave of finishes, prefill batching), and a trial of drafting opens with the draft
                 # catching up on everything it skipped, which an 8-step trial would weigh as if it
                 # recurred every 8 steps; a switch that sticks pays it once.
+                prefill_ms = last_call_ms if len(groups) > 1 else self._prefill_share(lengths_all, past_lens, nd)
                 self.spec_guard.record(nd, self._arm, emitted, wall_ms - prefill_ms - self._switch_ms)
             # A running mean for the first 20 steps of a kind, then EW: one slow first step (allocations,
             # lazy imports) must not dominate for the next hundred. Probe steps (a few requests catching
@@ -842,8 +843,8 @@ class Runtime:
         return lengths, solver_us
 
     def _overhead_ms(self, kind: str, n_decode: int) -> float:
-        """Recent time outside the engines of a step without ("plain") or with ("spec") drafting, at this
-        load: its own figure, else the nearest load's of the same kind, else the other kind's."""
+        """Recent time outside the priced calls of a step without ("plain") or with ("spec") drafting, at
+        this load: its own figure, else the nearest load's of the same kind, else the other kind's."""
         if not self._overhead:
             return 0.0
         b = SpecGuard.bucket(n_decode)
