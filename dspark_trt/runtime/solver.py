@@ -19,6 +19,17 @@ scanning every B with one sort and one cumsum is exact. Ties are broken by earli
 every request, which gives its verify length L_r. B = 0 (plain decoding) is always a candidate, and
 among equal objectives the smallest B wins.
 
+Depth. A packed verify call pads every request's query to the longest one (models/decoder.py), so its
+cost depends on the deepest row as well as on the token count: one request verifying 7 drafts makes
+every row cost 8. Given a cost table by depth, ``verify_cost_ms[d, t]`` (no request verifies more than
+d drafts), the solver maximises over both::
+
+    (B*, d*) = argmax_{d, B}  (N + sum of the top B survivals among positions <= d) / (draft + verify[d, R + B])
+
+For a fixed (d, B) the cost is fixed and the best slots are the top B among positions <= d, so this is
+exact with the one sort and a scan per depth. Restricting to positions <= d is a cap on every row,
+which keeps the prefix structure (and the stopping-rule argument below) intact.
+
 Why the allocation is lossless under sampling only if B does not depend on the current drafts
 --------------------------------------------------------------------------------------------
 Speculative sampling stays exactly target-distributed when the decision "verify draft token x_k"
@@ -45,7 +56,7 @@ __all__ = [
     "MONOTONE_ATOL",
     "SMALL_SLOTS",
     "best_budget",
-    "cap_depth",
+    "best_plan",
     "extend_linear",
     "solve_budget",
     "solve_budget_for_b",
@@ -169,19 +180,20 @@ def _verify_costs(verify_cost_ms, start: int, count: int) -> np.ndarray:
     return out
 
 
-def _objective_curve(R, flat, order, capacity, verify_cost_ms, draft_cost_ms, n_emitting):
-    """Objective for every B in 0..capacity: (N + top-B survival sum) / (draft + verify[R + B])."""
+def _objective_curve(R, values, verify_cost_ms, draft_cost_ms, n_emitting):
+    """Objective for every B in 0..len(values): (N + sum of the first B values) / (draft + verify[R + B])."""
     d = float(draft_cost_ms)
     if not 0.0 <= d < np.inf:
         raise ValueError(f"draft_cost_ms must be finite and >= 0; got {draft_cost_ms}")
     N = R if n_emitting is None else float(n_emitting)
     if not 0.0 <= N < np.inf:
         raise ValueError(f"n_emitting must be finite and >= 0; got {n_emitting}")
-    gains = np.empty(capacity + 1)
+    count = len(values)
+    gains = np.empty(count + 1)
     gains[0] = N
-    gains[1:] = flat[order[:capacity]]
+    gains[1:] = values
     np.cumsum(gains, out=gains)
-    denom = _verify_costs(verify_cost_ms, R, capacity + 1) + d
+    denom = _verify_costs(verify_cost_ms, R, count + 1) + d
     if not denom.min() > 0.0:  # also catches NaN
         if np.isnan(denom).any():
             raise ValueError("verify_cost_ms contains NaN")
@@ -190,30 +202,67 @@ def _objective_curve(R, flat, order, capacity, verify_cost_ms, draft_cost_ms, n_
     return gains
 
 
+def _grid(verify_cost_ms) -> np.ndarray:
+    v = np.asarray(verify_cost_ms, dtype=np.float64)
+    if v.ndim not in (1, 2) or (v.ndim == 2 and v.shape[0] == 0):
+        raise ValueError("verify_cost_ms must be 1-D (by verified-token count) or 2-D (by depth, then count); "
+                         f"got shape {v.shape}")
+    return v
+
+
 def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting):
+    """(B, depth, objective, admitted slots) of the best plan; depth K where the table prices no depth.
+
+    With a 2-D table, for each depth d the candidates are the top-B slots among positions <= d, priced
+    by row d; depths past the deepest slot that can be admitted add no slot (they only pad), so the scan
+    stops there. First maximum: the smallest depth, then the smallest B, among ties.
+    """
+    R, K = S.shape
     order, flat, capacity = _rank(S, caps)
-    obj = _objective_curve(S.shape[0], flat, order, capacity, verify_cost_ms, draft_cost_ms, n_emitting)
-    B = int(np.argmax(obj))  # first maximum: the smallest B among ties
-    return B, float(obj[B]), order
+    ranked = order[:capacity]
+    v = _grid(verify_cost_ms)
+    if v.ndim == 1:
+        obj = _objective_curve(R, flat[ranked], v, draft_cost_ms, n_emitting)
+        B = int(np.argmax(obj))
+        return B, K, float(obj[B]), ranked[:B]
+    best = None
+    pos = ranked // R  # k-major flat index: 0-based draft position
+    for d in range(min(K, v.shape[0] - 1) + 1):
+        sel = ranked[pos < d]
+        obj = _objective_curve(R, flat[sel], v[d], draft_cost_ms, n_emitting)
+        B = int(np.argmax(obj))
+        if best is None or obj[B] > best[2]:
+            best = (B, d, float(obj[B]), sel[:B])
+        if sel.size == capacity:
+            break
+    return best
 
 
-def _lengths(order, B: int, R: int) -> np.ndarray:
-    return np.bincount(order[:B] % R, minlength=R).astype(np.int64) if R else np.zeros(0, np.int64)
+def _lengths(admitted, R: int) -> np.ndarray:
+    return np.bincount(admitted % R, minlength=R).astype(np.int64) if R else np.zeros(0, np.int64)
 
 
-def best_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
-                ) -> tuple[int, float]:
-    """The exact optimal budget B* and its objective (expected output tokens per ms).
+def best_plan(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
+              ) -> tuple[int, int, float]:
+    """The exact optimal budget B*, its depth d* and its objective (expected output tokens per ms).
 
-    Arguments as in :func:`solve_budget`. Use it to size B from one survival matrix (e.g. stale rows)
-    and allocate with :func:`solve_budget_for_b` from another (the live rows). With R = 0 there is
-    nothing to run: returns (0, 0.0).
+    Arguments as in :func:`solve_budget`. Use it to size the plan from one survival matrix (e.g. stale
+    rows) and allocate with :func:`solve_budget_for_b` from another (the live rows), with every cap
+    lowered to d*. d* is K for a 1-D cost table (it prices no depth). With R = 0 there is nothing to
+    run: returns (0, 0, 0.0).
     """
     S = _survival(survival)
     R, K = S.shape
     if R == 0:
-        return 0, 0.0
-    B, obj, _ = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+        return 0, 0, 0.0
+    B, depth, obj, _ = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+    return B, depth, obj
+
+
+def best_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
+                ) -> tuple[int, float]:
+    """The exact optimal budget B* and its objective: :func:`best_plan` without the depth."""
+    B, _, obj = best_plan(survival, verify_cost_ms, draft_cost_ms, n_emitting, caps=caps)
     return B, obj
 
 
@@ -231,7 +280,7 @@ def solve_budget_for_b(survival, budget: int, *, caps=None) -> np.ndarray:
     if R == 0:
         return np.zeros(0, np.int64)
     order, _, capacity = _rank(S, _caps(caps, R, K))
-    return _lengths(order, min(max(int(budget), 0), capacity), R)
+    return _lengths(order[:min(max(int(budget), 0), capacity)], R)
 
 
 def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
@@ -239,23 +288,26 @@ def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emittin
     """Per-request verify lengths L (R,) that maximise expected output tokens per ms of step time.
 
     survival: (R, K) floats in [0, 1], non-increasing along each row (S_{r,k} = prod_{i<=k} c_{r,i}).
-    verify_cost_ms: 1-D, ``verify_cost_ms[t]`` = ms of a verify step over t tokens in total; the step
-        verifies R + B tokens (one next/bonus token per request plus the budget). Beyond the table's end
-        it is extrapolated linearly from the last two entries.
+    verify_cost_ms: ms of the verify step by the tokens t it verifies in all: 1-D, ``verify_cost_ms[t]``;
+        or 2-D, ``verify_cost_ms[d, t]`` where no request verifies more than d drafts (a packed call pads
+        every row to its longest query, so depth costs on top of tokens). The step verifies R + B tokens
+        (one next/bonus token per request plus the budget). Beyond a table's end it is extrapolated
+        linearly from the last two entries.
     draft_cost_ms: the step's drafting cost, added to every candidate's denominator.
     n_emitting: N, requests that emit a token this step (default R).
     caps: optional (R,) ints, the most drafts request r may verify (near max_new_tokens or the context
         end); slots beyond a cap are never admitted.
 
     Uses the live survivals to choose B, so it is lossless for greedy decoding only; see the module
-    docstring for sampling. Exact over B in 0..R*K; ties resolve to the smallest B.
+    docstring for sampling. Exact over B in 0..R*K (and every depth of a 2-D table); ties resolve to the
+    smallest depth, then the smallest B.
     """
     S = _survival(survival)
     R, K = S.shape
     if R == 0:
         return np.zeros(0, np.int64)
-    B, _, order = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
-    return _lengths(order, B, R)
+    B, _, _, admitted = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+    return _lengths(admitted, R)
 
 
 def rows_valid(rows: list[list[float]]) -> bool:
@@ -272,14 +324,16 @@ def rows_valid(rows: list[list[float]]) -> bool:
 
 
 def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms, draft_cost_ms: float,
-                n_emitting=None) -> tuple[int, list[int]] | None:
-    """(B*, verify lengths) of :func:`solve_budget` in pure Python, for a few valid rows (see rows_valid).
+                n_emitting=None) -> tuple[int, int, list[int]] | None:
+    """(B*, depth d*, verify lengths) of :func:`best_plan` / :func:`solve_budget` in pure Python, for a few
+    valid rows (see rows_valid).
 
     The same computation as the numpy path, in the same order: slots ranked by survival, ties to the
     earlier position then the lower request (a stable sort of the k-major slots), the objective's
-    numerator summed in rank order, the same cost table extrapolation, the first maximum. So the result
-    is identical, not just close. Returns None where the numpy path must answer instead (a cost table or
-    draft cost it would reject, or too short to extrapolate): it raises the error that explains.
+    numerator summed in rank order, the same cost table extrapolation, the same depths scanned, the first
+    maximum. So the result is identical, not just close. Returns None where the numpy path must answer
+    instead (a cost table or draft cost it would reject, or too short to extrapolate): it raises the error
+    that explains.
     """
     R = len(rows)
     K = len(rows[0]) if R else 0
@@ -287,69 +341,49 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
     N = float(R if n_emitting is None else n_emitting)
     if not (0.0 <= d < math.inf and 0.0 <= N < math.inf):
         return None
-    vals, slot = [], []
+    vals, slot, pos = [], [], []
     for k in range(K):
         for r in range(R):
             if caps is None or k < caps[r]:
                 vals.append(rows[r][k])
                 slot.append(r)
+                pos.append(k)
     order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep k-major order
     if isinstance(verify_cost_ms, np.ndarray):
-        if verify_cost_ms.ndim != 1:
+        if verify_cost_ms.ndim not in (1, 2) or not verify_cost_ms.shape[0]:
             return None
-        table = verify_cost_ms.tolist()
+        tables = verify_cost_ms.tolist()
     else:
-        table = [float(x) for x in verify_cost_ms]
-    n = len(table)
-    end = R + len(order) + 1
-    if end > n:
-        if n < 2:
-            return None
-        last, slope = table[-1], table[-1] - table[-2]
-        table = table + [last + m * slope for m in range(1, end - n + 1)]
-    g = N
-    best_obj, best = -math.inf, 0
-    for b in range(len(order) + 1):
-        if b:
-            g += vals[order[b - 1]]
-        denom = table[R + b] + d
-        if not denom > 0.0:
-            return None
-        obj = g / denom
-        if obj > best_obj:
-            best_obj, best = obj, b
+        tables = list(verify_cost_ms)
+    if tables and isinstance(tables[0], list):
+        depths = range(min(K, len(tables) - 1) + 1)
+    else:
+        tables, depths = [tables], [K]
+    best_obj, best = -math.inf, None
+    for depth in depths:
+        sel = order if depth >= K else [i for i in order if pos[i] < depth]
+        table = [float(x) for x in tables[min(depth, len(tables) - 1)]]
+        n = len(table)
+        end = R + len(sel) + 1
+        if end > n:
+            if n < 2:
+                return None
+            last, slope = table[-1], table[-1] - table[-2]
+            table = table + [last + m * slope for m in range(1, end - n + 1)]
+        g = N
+        for b in range(len(sel) + 1):
+            if b:
+                g += vals[sel[b - 1]]
+            denom = table[R + b] + d
+            if not denom > 0.0:
+                return None
+            obj = g / denom
+            if obj > best_obj:
+                best_obj, best = obj, (b, depth, sel)
+        if len(sel) == len(order):
+            break
+    b, depth, sel = best
     lengths = [0] * R
-    for i in order[:best]:
+    for i in sel[:b]:
         lengths[slot[i]] += 1
-    return best, lengths
-
-
-def cap_depth(lengths, survival, call_ms, fixed_ms: float = 0.0, base_gain: float = 0.0) -> int:
-    """The depth cap d that maximises expected output per ms when every row is padded to its longest.
-
-    The budget above prices verified tokens by count; a packed engine call that pads each row to the
-    call's longest query (models/decoder.py) also pays for depth: one request verifying 7 drafts makes
-    every row cost 8. For each cap d from max(lengths) down to 1, expected output is
-    ``base_gain + sum_r S_{r, <= min(L_r, d)}`` and the step costs ``fixed_ms + call_ms(extra tokens,
-    d)``, with ``call_ms(tokens, depth)`` the verify call's time for ``tokens`` verified drafts whose
-    longest row verifies ``depth``. Returns the best d (ties keep the deeper cap; 0 only when nothing
-    is admitted). Capping only removes later slots of a request, which never outrank earlier ones, so
-    it keeps the allocation's lossless structure.
-    """
-    L = np.asarray(lengths, dtype=np.int64)
-    deepest = int(L.max()) if L.size else 0
-    if deepest <= 0:
-        return 0
-    S = np.asarray(survival, dtype=np.float64)
-    # Expected accepted drafts of each row at each cap d = 1..deepest: cumulative survival at min(L, d).
-    cum = np.concatenate([np.zeros((len(L), 1)), np.cumsum(S[:, :deepest], axis=1)], axis=1)
-    capped = np.minimum(L[None, :], np.arange(1, deepest + 1)[:, None])  # (deepest, R)
-    gain = base_gain + cum[np.arange(len(L))[None, :], capped].sum(axis=1)
-    ms = fixed_ms + np.array([float(call_ms(int(t), d)) for d, t in enumerate(capped.sum(axis=1), start=1)])
-    rate = np.divide(gain, ms, out=np.full(deepest, np.inf), where=ms > 0)
-    # The deepest cap unless a shallower one is strictly better (ties keep the deeper cap).
-    best = deepest
-    for d in range(deepest - 1, 0, -1):
-        if rate[d - 1] > rate[best - 1] * (1 + 1e-9):
-            best = d
-    return best
+    return b, depth, lengths
