@@ -352,9 +352,9 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
     if isinstance(verify_cost_ms, np.ndarray):
         if verify_cost_ms.ndim not in (1, 2) or not verify_cost_ms.shape[0]:
             return None
-        tables = verify_cost_ms.tolist()
+        tables = np.asarray(verify_cost_ms, dtype=np.float64).tolist()  # Python floats already
     else:
-        tables = list(verify_cost_ms)
+        tables = [[float(x) for x in row] if isinstance(row, (list, tuple)) else float(row) for row in verify_cost_ms]
     if tables and isinstance(tables[0], list):
         depths = range(min(K, len(tables) - 1) + 1)
     else:
@@ -362,7 +362,7 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
     best_obj, best = -math.inf, None
     for depth in depths:
         sel = order if depth >= K else [i for i in order if pos[i] < depth]
-        table = [float(x) for x in tables[min(depth, len(tables) - 1)]]
+        table = tables[min(depth, len(tables) - 1)]
         n = len(table)
         end = R + len(sel) + 1
         if end > n:
