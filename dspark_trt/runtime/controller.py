@@ -24,10 +24,10 @@ x_k). The controller therefore sizes B (and the depth d, with a cost table by de
   on x_k; this only makes the sizing less stale.
 
 and then admits the top-B slots of the *live* survivals within depth d (:func:`solve_budget_for_b`,
-every cap lowered to d). No input of B or d depends on the current sampled drafts, and with B fixed, admission of slot (r, k) depends
-only on slots that never depend on x_k; so each sampled request's verify length is a stopping rule
-("verify x_k?" is decided from x_1..x_{k-1} and independent quantities) and speculative sampling
-stays exactly target-distributed. The price is staleness, not bias: B is sized for last step's
+every cap lowered to d). No input of B or d depends on the current sampled drafts, and with B and d
+fixed, admission of slot (r, k) depends only on slots that never depend on x_k; so each sampled
+request's verify length is a stopping rule ("verify x_k?" is decided from x_1..x_{k-1} and independent
+quantities) and speculative sampling stays exactly target-distributed. The price is staleness, not bias: B is sized for last step's
 confidence, the allocation within B still follows the live one.
 
 Caps: a request near max_new_tokens or the context end (or one that drafted fewer than K tokens) can
