@@ -214,8 +214,8 @@ def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting):
     """(B, depth, objective, admitted slots) of the best plan; depth K where the table prices no depth.
 
     With a 2-D table, for each depth d the candidates are the top-B slots among positions <= d, priced
-    by row d; depths past the deepest slot that can be admitted add no slot (they only pad), so the scan
-    stops there. First maximum: the smallest depth, then the smallest B, among ties.
+    by row d; depths past the deepest slot that can be admitted add no slot (they only pad), so they are
+    not candidates. First maximum: the smallest depth, then the smallest B, among ties.
     """
     R, K = S.shape
     order, flat, capacity = _rank(S, caps)
@@ -225,17 +225,49 @@ def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting):
         obj = _objective_curve(R, flat[ranked], v, draft_cost_ms, n_emitting)
         B = int(np.argmax(obj))
         return B, K, float(obj[B]), ranked[:B]
-    best = None
+    return _best_by_depth(R, K, flat[ranked], ranked, v, draft_cost_ms, n_emitting)
+
+
+def _best_by_depth(R, K, values, ranked, v, draft_cost_ms, n_emitting):
+    """The 2-D case of :func:`_best`, every depth at once: row d of each matrix is the scan of depth d
+    (the ranked slots at positions < d; the others add 0.0 to the running sum, which changes no bit)."""
+    d = float(draft_cost_ms)
+    if not 0.0 <= d < np.inf:
+        raise ValueError(f"draft_cost_ms must be finite and >= 0; got {draft_cost_ms}")
+    N = R if n_emitting is None else float(n_emitting)
+    if not 0.0 <= N < np.inf:
+        raise ValueError(f"n_emitting must be finite and >= 0; got {n_emitting}")
+    capacity = values.size
     pos = ranked // R  # k-major flat index: 0-based draft position
-    for d in range(min(K, v.shape[0] - 1) + 1):
-        sel = ranked[pos < d]
-        obj = _objective_curve(R, flat[sel], v[d], draft_cost_ms, n_emitting)
-        B = int(np.argmax(obj))
-        if best is None or obj[B] > best[2]:
-            best = (B, d, float(obj[B]), sel[:B])
-        if sel.size == capacity:
-            break
-    return best
+    top = int(pos.max()) + 1 if capacity else 0  # the first depth that admits every slot
+    depths = min(K, v.shape[0] - 1, top) + 1
+    inside = pos[None, :] < np.arange(depths)[:, None]  # (depths, capacity)
+    gains = np.empty((depths, capacity + 1))
+    gains[:, 0] = N
+    gains[:, 1:] = np.where(inside, values[None, :], 0.0)
+    np.cumsum(gains, axis=1, out=gains)
+    counts = np.zeros((depths, capacity + 1), dtype=np.int64)
+    np.cumsum(inside, axis=1, out=counts[:, 1:])
+    table = np.ascontiguousarray(v[:depths])
+    n, end = table.shape[1], R + int(counts[:, -1].max()) + 1
+    if end > n:
+        if n < 2:
+            raise ValueError(f"verify_cost_ms needs at least 2 entries to extrapolate to {end - 1} tokens; it has {n}")
+        beyond = table[:, -1:] + np.arange(n - (n - 1), end - (n - 1)) * (table[:, -1:] - table[:, -2:-1])
+        table = np.hstack([table, beyond])
+    # Past a slot of another depth an entry repeats the last admitted slot's sum and count (so its cost
+    # and objective): every entry is some candidate's, no mask is needed, and the first maximum is a
+    # candidate.
+    width = table.shape[1]
+    denom = table.ravel()[(np.arange(depths) * width)[:, None] + (R + counts)] + d
+    if not denom.min() > 0.0:  # also catches NaN
+        if np.isnan(denom).any():
+            raise ValueError("verify_cost_ms contains NaN")
+        raise ValueError("step cost (draft_cost_ms + verify_cost_ms[R + B]) must be > 0 for every candidate B")
+    obj = gains / denom
+    depth, j = divmod(int(np.argmax(obj)), capacity + 1)  # first maximum: smallest depth, then B
+    B = int(counts[depth, j])
+    return B, depth, float(obj[depth, j]), ranked[:j][inside[depth, :j]]
 
 
 def _lengths(admitted, R: int) -> np.ndarray:
