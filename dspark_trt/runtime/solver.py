@@ -180,24 +180,34 @@ def _verify_costs(verify_cost_ms, start: int, count: int) -> np.ndarray:
     return out
 
 
-def _objective_curve(R, values, verify_cost_ms, draft_cost_ms, n_emitting):
-    """Objective for every B in 0..len(values): (N + sum of the first B values) / (draft + verify[R + B])."""
+def _step_constants(R, draft_cost_ms, n_emitting) -> tuple[float, float]:
+    """(draft ms, emitting requests N) of the objective, validated."""
     d = float(draft_cost_ms)
     if not 0.0 <= d < np.inf:
         raise ValueError(f"draft_cost_ms must be finite and >= 0; got {draft_cost_ms}")
     N = R if n_emitting is None else float(n_emitting)
     if not 0.0 <= N < np.inf:
         raise ValueError(f"n_emitting must be finite and >= 0; got {n_emitting}")
+    return d, N
+
+
+def _check_denominators(denom: np.ndarray) -> None:
+    if not denom.min() > 0.0:  # also catches NaN
+        if np.isnan(denom).any():
+            raise ValueError("verify_cost_ms contains NaN")
+        raise ValueError("step cost (draft_cost_ms + verify_cost_ms[R + B]) must be > 0 for every candidate B")
+
+
+def _objective_curve(R, values, verify_cost_ms, draft_cost_ms, n_emitting):
+    """Objective for every B in 0..len(values): (N + sum of the first B values) / (draft + verify[R + B])."""
+    d, N = _step_constants(R, draft_cost_ms, n_emitting)
     count = len(values)
     gains = np.empty(count + 1)
     gains[0] = N
     gains[1:] = values
     np.cumsum(gains, out=gains)
     denom = _verify_costs(verify_cost_ms, R, count + 1) + d
-    if not denom.min() > 0.0:  # also catches NaN
-        if np.isnan(denom).any():
-            raise ValueError("verify_cost_ms contains NaN")
-        raise ValueError("step cost (draft_cost_ms + verify_cost_ms[R + B]) must be > 0 for every candidate B")
+    _check_denominators(denom)
     gains /= denom
     return gains
 
@@ -231,12 +241,7 @@ def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting):
 def _best_by_depth(R, K, values, ranked, v, draft_cost_ms, n_emitting):
     """The 2-D case of :func:`_best`, every depth at once: row d of each matrix is the scan of depth d
     (the ranked slots at positions < d; the others add 0.0 to the running sum, which changes no bit)."""
-    d = float(draft_cost_ms)
-    if not 0.0 <= d < np.inf:
-        raise ValueError(f"draft_cost_ms must be finite and >= 0; got {draft_cost_ms}")
-    N = R if n_emitting is None else float(n_emitting)
-    if not 0.0 <= N < np.inf:
-        raise ValueError(f"n_emitting must be finite and >= 0; got {n_emitting}")
+    d, N = _step_constants(R, draft_cost_ms, n_emitting)
     capacity = values.size
     pos = ranked // R  # k-major flat index: 0-based draft position
     top = int(pos.max()) + 1 if capacity else 0  # the first depth that admits every slot
@@ -260,10 +265,7 @@ def _best_by_depth(R, K, values, ranked, v, draft_cost_ms, n_emitting):
     # candidate.
     width = table.shape[1]
     denom = table.ravel()[(np.arange(depths) * width)[:, None] + (R + counts)] + d
-    if not denom.min() > 0.0:  # also catches NaN
-        if np.isnan(denom).any():
-            raise ValueError("verify_cost_ms contains NaN")
-        raise ValueError("step cost (draft_cost_ms + verify_cost_ms[R + B]) must be > 0 for every candidate B")
+    _check_denominators(denom)
     obj = gains / denom
     depth, j = divmod(int(np.argmax(obj)), capacity + 1)  # first maximum: smallest depth, then B
     B = int(counts[depth, j])
