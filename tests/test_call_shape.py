@@ -1,4 +1,4 @@
-"""The call-shape cost model (runtime/call_shape.py) and the verify depth it drives (the solver's costs by depth)."""
+"""The call-shape cost model (runtime/call_shape.py) and the depth cap it drives (solver.cap_depth)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from dspark_trt.runtime.call_shape import CallShapeCost, features, fit_nonnegative, packed_shape
 from dspark_trt.runtime.cost_model import CostTable
-from dspark_trt.runtime.solver import best_plan, solve_budget
+from dspark_trt.runtime.solver import cap_depth
 
 # Roughly what the tiny pair measures on this CPU: 6 ms a call, 0.3 ms a token, 0.3 ms per 100 past
 # positions per row, 0.2 ms per 1000 padded attention entries.
@@ -109,34 +109,32 @@ def test_a_malformed_shape_list_is_a_one_line_error(tmp_path):
         CostTable.load(tmp_path / "p.json")
 
 
-# ------------------------------------------------------------------------------------- verify depth
+# ------------------------------------------------------------------------------------- depth cap
 
-def padded_grid(rows: int, per_token: float, per_depth: float, K: int = 7):
-    """Verify call time by depth, then tokens: tokens cost per_token each; every unit of the longest row's
-    depth costs per_depth for each of `rows` rows (padding)."""
-    t = np.arange(rows * (K + 1) + 9, dtype=np.float64)
-    return 10.0 + per_token * t[None, :] + per_depth * rows * np.arange(K + 1.0)[:, None]
+def padded_call(rows: int, per_token: float, per_depth: float):
+    """Verify call time: tokens cost per_token each; every extra unit of the longest row's depth costs
+    per_depth for each of `rows` rows (padding)."""
+    return lambda extra, depth: 10.0 + per_token * extra + per_depth * rows * depth
 
 
-def test_without_a_padding_cost_depth_changes_nothing():
+def test_without_a_padding_cost_the_solver_lengths_stand():
     S = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]] + [[0.9, 0.1, 0, 0, 0, 0, 0]] * 15)
-    grid = padded_grid(16, 0.01, 0.0)
-    assert solve_budget(S, grid, 2.0).tolist() == solve_budget(S, grid[0], 2.0).tolist()
-    assert best_plan(S, grid, 2.0)[1] == 7
+    L = np.array([7] + [1] * 15)
+    assert cap_depth(L, S, padded_call(16, 0.01, 0.0), fixed_ms=2.0, base_gain=16) == 7
 
 
-def test_one_deep_request_among_many_shallow_ones_stops_short_when_padding_is_dear():
+def test_one_deep_request_among_many_shallow_ones_is_capped_when_padding_is_dear():
     S = np.array([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3]] + [[0.9, 0.1, 0, 0, 0, 0, 0]] * 31)
-    _, depth, _ = best_plan(S, padded_grid(32, 0.01, 0.05), 2.0)
-    assert 1 <= depth < 7
-    assert 1 <= solve_budget(S, padded_grid(32, 0.01, 0.05), 2.0).max() == depth
-    # Requests that all verify deep and are mostly accepted are worth their padding: all the way down.
-    deep = np.tile(np.cumprod([0.95, 0.93, 0.91, 0.9, 0.89, 0.88, 0.87]), (32, 1))
-    assert solve_budget(deep, padded_grid(32, 0.01, 0.05), 2.0).tolist() == [7] * 32
+    L = np.array([7] + [1] * 31)
+    d = cap_depth(L, S, padded_call(32, 0.01, 0.05), fixed_ms=2.0, base_gain=32)
+    assert 1 <= d < 7
+    # Requests that all verify deep and are mostly accepted are worth their padding: nothing is capped.
+    deep = np.tile([0.95, 0.93, 0.91, 0.9, 0.89, 0.88, 0.87], (32, 1))
+    assert cap_depth(np.full(32, 7), deep, padded_call(32, 0.01, 0.05), fixed_ms=2.0, base_gain=32) == 7
 
 
 def test_nothing_admitted_means_no_depth():
-    assert best_plan(np.full((4, 3), 0.01), padded_grid(4, 1.0, 1.0, K=3))[:2] == (0, 0)
+    assert cap_depth(np.zeros(4, dtype=int), np.ones((4, 3)), padded_call(4, 1.0, 1.0)) == 0
 
 
 def test_table_agrees_with_single_calls():

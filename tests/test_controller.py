@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from dspark_trt.runtime.controller import AdaptiveController, parse_spec
 from dspark_trt.runtime.cost_model import CostTable, measurement_points
-from dspark_trt.runtime.solver import best_budget, best_plan, solve_budget, solve_budget_for_b
+from dspark_trt.runtime.solver import best_budget, solve_budget, solve_budget_for_b
 
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -29,20 +29,7 @@ class LinearCost:
         return self.draft
 
 
-class DepthCost(LinearCost):
-    """A packed call's cost: LinearCost plus `jump` ms for every draft of depth (rows padded to the deepest)."""
-
-    def __init__(self, jump=0.4, depths=8, **kw):
-        super().__init__(**kw)
-        self.grid = self.table[None, :] + jump * np.arange(depths)[:, None]
-        self.grid[:, 0] = 0.0
-
-    def verify_table(self):
-        return self.grid
-
-
 COST = LinearCost()
-DEPTH_COST = DepthCost()
 
 
 @st.composite
@@ -162,12 +149,11 @@ def test_the_small_greedy_path_plans_and_remembers_what_the_numpy_path_does(data
         S = data.draw(survival(R, K))
         caps = data.draw(st.one_of(st.none(), st.lists(st.integers(0, K), min_size=R, max_size=R)))
         ids = data.draw(st.lists(st.integers(0, 12), min_size=R, max_size=R, unique=True))
-        cost = data.draw(st.sampled_from([COST, DEPTH_COST]))
-        got = fast.plan(S, ids, [False] * R, cost, R, caps=caps)
+        got = fast.plan(S, ids, [False] * R, COST, R, caps=caps)
         saved = controller_mod.SMALL_SLOTS
         controller_mod.SMALL_SLOTS = 0
         try:
-            want = slow.plan(S, ids, [False] * R, cost, R, caps=caps)
+            want = slow.plan(S, ids, [False] * R, COST, R, caps=caps)
         finally:
             controller_mod.SMALL_SLOTS = saved
         assert got.tolist() == want.tolist() and got.dtype == want.dtype
@@ -186,43 +172,24 @@ def test_an_explicit_prior_and_a_change_of_draft_length_are_handled():
 
 
 @SETTINGS
-@given(st.data(), batch(), st.sampled_from([COST, DEPTH_COST]))
-def test_when_sampling_the_budget_never_depends_on_the_sampled_requests_live_drafts(data, b, cost):
-    """Neither the budget nor, with costs by depth, the depth it verifies to."""
+@given(st.data(), batch())
+def test_when_sampling_the_budget_never_depends_on_the_sampled_requests_live_drafts(data, b):
     R, K, previous, sampling = b
     sampling[0] = True
     ctl = AdaptiveController()
     ids = [f"r{i}" for i in range(R)]
-    ctl.plan(previous, ids, sampling, cost, R)
+    ctl.plan(previous, ids, sampling, COST, R)
     live_a = data.draw(survival(R, K))
     live_b = live_a.copy()
     live_b[sampling] = data.draw(survival(int(sampling.sum()), K))  # other drafts for sampling requests
-    plan_a = copy.deepcopy(ctl).plan(live_a, ids, sampling, cost, R)
-    plan_b = copy.deepcopy(ctl).plan(live_b, ids, sampling, cost, R)
+    plan_a = copy.deepcopy(ctl).plan(live_a, ids, sampling, COST, R)
+    plan_b = copy.deepcopy(ctl).plan(live_b, ids, sampling, COST, R)
     assert plan_a.sum() == plan_b.sum()
-    if cost is DEPTH_COST:
-        sizing = copy.deepcopy(ctl)
-        depth = best_plan(np.vstack([sizing.previous_row(i) for i in ids]) if not (~sampling).any() else
-                          np.where(sampling[:, None], np.vstack([sizing.previous_row(i) for i in ids]), live_a),
-                          cost.grid, cost.draft)[1]
-        assert plan_a.max() <= depth and plan_b.max() <= depth
-
-
-def test_with_costs_by_depth_a_sampled_batch_verifies_no_deeper_than_its_stale_rows_pay_for():
-    """Last step's rows said depth 1 pays and depth 2 does not; the live rows are confident throughout.
-    The budget and the depth both come from the stale rows, so the allocation stays at depth 1."""
-    ctl = AdaptiveController()
-    cost = DepthCost(jump=1.0)
-    ctl.plan(np.array([[0.9, 0.05, 0.0], [0.9, 0.05, 0.0]]), ["a", "b"], [True, True], cost, 2)
-    live = np.array([[0.99, 0.98, 0.97], [0.9, 0.2, 0.1]])
-    B, depth, _ = best_plan(np.array([[0.9, 0.05, 0.0], [0.9, 0.05, 0.0]]), cost.grid, cost.draft)
-    assert (B, depth) == (2, 1)
-    assert ctl.plan(live, ["a", "b"], [True, True], cost, 2).tolist() == [1, 1]
 
 
 @SETTINGS
-@given(st.data(), batch(max_k=6), st.sampled_from([COST, DEPTH_COST]))
-def test_verifying_a_sampled_draft_token_never_depends_on_that_token(data, b, cost):
+@given(st.data(), batch(max_k=6))
+def test_verifying_a_sampled_draft_token_never_depends_on_that_token(data, b):
     """End to end: S_{r,k+1..} are functions of x_k; changing them must not change whether slots 1..k
     of a sampling request r are verified (the stopping-rule condition for lossless sampling)."""
     R, K, previous, sampling = b
@@ -230,14 +197,14 @@ def test_verifying_a_sampled_draft_token_never_depends_on_that_token(data, b, co
     sampling[r] = True
     ids = list(range(R))
     ctl = AdaptiveController()
-    ctl.plan(previous, ids, sampling, cost, R)
+    ctl.plan(previous, ids, sampling, COST, R)
     live = data.draw(survival(R, K))
     k = data.draw(st.integers(0, K - 1))
     other = live.copy()
     other[r, k:] = (live[r, k - 1] if k else 1.0) * np.cumprod(data.draw(
         st.lists(st.floats(0.0, 1.0), min_size=K - k, max_size=K - k)))
-    L1 = copy.deepcopy(ctl).plan(live, ids, sampling, cost, R)[r]
-    L2 = copy.deepcopy(ctl).plan(other, ids, sampling, cost, R)[r]
+    L1 = copy.deepcopy(ctl).plan(live, ids, sampling, COST, R)[r]
+    L2 = copy.deepcopy(ctl).plan(other, ids, sampling, COST, R)[r]
     assert min(L1, k) == min(L2, k)
 
 

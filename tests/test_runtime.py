@@ -345,29 +345,16 @@ def test_a_switch_into_drafting_is_charged_to_neither_the_guard_nor_the_step_ove
 def test_the_break_even_survival_shares_a_layers_padding_jump_across_the_layer():
     """Eight rows verifying one draft each sit at a layer's end: one more draft on any row pads all eight
     rows a token deeper (a 5 ms jump), which a whole layer of drafts shares. Charging the jump to a few
-    tokens would put the break-even survival above 1 and stop every request drafting. A token table
-    cannot tell depth, so both break-evens are the layer's."""
+    tokens would put the break-even survival above 1 and stop every request drafting."""
     rows, per_token, jump = 8, 0.1, 5.0
     t = np.arange(64)
     table = 10.0 + per_token * t + jump * np.ceil(np.maximum(t - rows, 0) / rows)
     table[0] = 0.0
     rate = (rows + 6.0) / (2.0 + table[2 * rows])  # 8 emitted + 6 expected accepted, 2 ms drafting
-    within, deeper = Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=rows)
-    assert within == deeper == pytest.approx(rate * (jump + rows * per_token) / rows)
-    assert deeper < 0.7 < 1.0 < Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=4)[1]
+    theta = Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=rows)
+    assert theta == pytest.approx(rate * (jump + rows * per_token) / rows)
+    assert theta < 0.7 < 1.0 < Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=4)
 
-
-def test_with_costs_by_depth_a_draft_within_the_solved_depth_breaks_even_at_a_tokens_cost():
-    """The same call priced by depth: one more draft at depth 1 costs a token (0.1 ms), one at depth 2
-    pads every row (5 ms), shared by the layer."""
-    rows, per_token, jump = 8, 0.1, 5.0
-    t = np.arange(64)
-    grid = 10.0 + per_token * t[None, :] + jump * np.arange(8)[:, None]
-    grid[:, 0] = 0.0
-    rate = (rows + 6.0) / (2.0 + grid[1, 2 * rows])
-    within, deeper = Runtime._marginal_survival(rows, 6.0, rows, grid, 2.0, depth=1, span=rows)
-    assert within == pytest.approx(rate * per_token)
-    assert deeper == pytest.approx(rate * (jump + rows * per_token) / rows)
 
 def test_a_sampled_requests_drafts_never_decide_whether_other_requests_draft_on(tiny_artifact):
     """The call test sums every request's expected surplus. If a sampled request's drafts took part, the
@@ -392,7 +379,7 @@ def test_a_sampled_requests_drafts_never_decide_whether_other_requests_draft_on(
         # and the per-request test alone keeps a request whose next draft clears the break-even
         rt._keep_drafting = keep
         rt.cost = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(9, 1.0) * (np.arange(9) > 0))
-        rt.admit_threshold = rt.admit_threshold_deeper = 0.1
+        rt.admit_threshold = 0.1
         rt._rate = 1e6  # any call is dear at this rate
         reqs = [SimpleNamespace(id=0)]
         assert keep(reqs, {0: [0.9]}, 1, test_call=True) == set()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_trt.runtime.solver import (best_budget, best_plan, extend_linear, rows_valid, solve_budget,
-                                       solve_budget_for_b, solve_small)
+from dspark_trt.runtime.solver import (best_budget, extend_linear, rows_valid, solve_budget, solve_budget_for_b,
+                                       solve_small)
 
 SETTINGS = settings(max_examples=100, deadline=None)  # exactness against brute force
 FAST = settings(max_examples=50, deadline=None)  # behavioural properties
@@ -35,16 +35,6 @@ def monotone_costs(draw, max_len):
     return np.concatenate([[start], start + np.cumsum(steps)])
 
 
-@st.composite
-def depth_costs(draw, max_len, max_depth):
-    """A verify cost grid by depth, then tokens: non-decreasing both ways (a packed call pads every row to
-    the deepest), sometimes with fewer depths than drafts or rows shorter than needed."""
-    base = draw(monotone_costs(max_len))
-    jumps = np.cumsum([0.0] + draw(st.lists(st.floats(0.0, 4.0), min_size=max_depth, max_size=max_depth)))
-    depths = draw(st.integers(1, max_depth + 1))
-    return base[None, :] + jumps[:depths, None]
-
-
 def cost_at(table, t):
     """Reference extrapolation: linear from the last two points."""
     n = len(table)
@@ -63,15 +53,6 @@ def brute_force(S, table, draft=0.0, n=None, caps=None):
     R, K = S.shape
     limits = [K if caps is None else min(K, caps[r]) for r in range(R)]
     return max(objective(S, L, table, draft, n) for L in itertools.product(*(range(m + 1) for m in limits)))
-
-
-def brute_force_depth(S, grid, draft=0.0, caps=None):
-    """Best objective over ALL prefix allocations, each priced at its deepest row's depth; no row deeper
-    than the grid prices."""
-    R, K = S.shape
-    limits = [min(K, len(grid) - 1, K if caps is None else caps[r]) for r in range(R)]
-    return max(objective(S, L, grid[max(L, default=0)], draft)
-               for L in itertools.product(*(range(m + 1) for m in limits)))
 
 
 def assert_valid(lengths, S, caps=None):
@@ -121,35 +102,6 @@ def test_caps_are_an_allocation_constraint(data, S):
     assert objective(S, lengths, table, draft) == pytest.approx(brute_force(S, table, draft, caps=caps), rel=1e-9)
     # however large the given budget, a capped slot is never admitted
     assert_valid(solve_budget_for_b(S, R * K + 5, caps=caps), S, caps)
-
-
-@SETTINGS
-@given(data=st.data(), S=survivals(max_k=4), draft=st.floats(0.0, 5.0))
-def test_with_costs_by_depth_the_plan_is_the_best_prefix_allocation_priced_at_its_deepest_row(data, S, draft):
-    R, K = S.shape
-    grid = data.draw(depth_costs(R * (K + 1) + 2, K + 1))
-    caps = data.draw(st.one_of(st.none(), st.lists(st.integers(0, K + 1), min_size=R, max_size=R)))
-    lengths = solve_budget(S, grid, draft, caps=caps)
-    B, depth, obj = best_plan(S, grid, draft, caps=caps)
-    assert_valid(lengths, S, caps)
-    assert lengths.sum() == B and lengths.max(initial=0) <= depth < len(grid)
-    best = brute_force_depth(S, grid, draft, caps)
-    assert objective(S, lengths, grid[depth], draft) == pytest.approx(best, rel=1e-9)
-    assert obj == pytest.approx(best, rel=1e-9)
-
-
-def test_a_depth_already_paid_for_is_filled_before_a_deeper_one_is_opened():
-    """Four rows, a call that costs 3 ms more for every token of depth and 0.1 ms a token. Priced by
-    tokens alone, only the confident row would go deep (its later drafts outrank the others' first); by
-    depth, every row is verified as deep as the deepest, since those slots cost a token each."""
-    S = np.cumprod([[0.95, 0.95, 0.95, 0.2], [0.7, 0.7, 0.2, 0.2], [0.6, 0.6, 0.2, 0.2], [0.6, 0.5, 0.2, 0.2]],
-                   axis=1)
-    t = np.arange(30.0)
-    grid = 10.0 + 0.1 * t[None, :] + 3.0 * np.arange(5.0)[:, None]
-    B, depth, _ = best_plan(S, grid)
-    assert depth == 2 and solve_budget(S, grid).tolist() == [2, 2, 2, 2] and B == 8
-    deep_only = 10.0 + 0.1 * t + 3.0 * np.ceil(np.maximum(t - 4, 0) / 4)  # even spread: depth ~ tokens / rows
-    assert solve_budget(S, deep_only).tolist() != [2, 2, 2, 2]
 
 
 def test_caps_beat_a_dead_end_even_when_zero_survival_slots_would_tie():
@@ -235,16 +187,15 @@ def test_extrapolates_linearly_beyond_the_cost_table():
        n=st.one_of(st.none(), st.floats(0.0, 10.0)))
 def test_the_pure_python_solver_gives_the_numpy_solvers_answer_exactly(data, S, draft, n):
     """solve_small is the numpy solver's twin for small matrices: the same lengths (not just an equally
-    good allocation: the same ties broken the same way), with caps, cost tables by depth and cost tables
-    too short."""
+    good allocation: the same ties broken the same way), with caps and with cost tables too short."""
     R, K = S.shape
-    table = data.draw(st.one_of(monotone_costs(R * (K + 1) + 2), depth_costs(R * (K + 1) + 2, K + 1)))
+    table = data.draw(monotone_costs(R * (K + 1) + 2))
     caps = data.draw(st.one_of(st.none(), st.lists(st.integers(0, K + 1), min_size=R, max_size=R)))
     rows = S.tolist()
     assert rows_valid(rows)
-    B, depth, lengths = solve_small(rows, caps, table, draft, n)
+    B, lengths = solve_small(rows, caps, table, draft, n)
     assert lengths == solve_budget(S, table, draft, n, caps=caps).tolist()
-    assert (B, depth) == best_plan(S, table, draft, n, caps=caps)[:2] and B == sum(lengths)
+    assert B == best_budget(S, table, draft, n, caps=caps)[0] == sum(lengths)
 
 
 def test_the_pure_python_solver_leaves_bad_input_to_the_numpy_path():
@@ -253,7 +204,7 @@ def test_the_pure_python_solver_leaves_bad_input_to_the_numpy_path():
     assert solve_small([[0.5]], None, np.array([0.0, float("nan"), 1.0]), 0.0) is None  # numpy explains
     assert solve_small([[0.5]], None, np.array([1.0]), 0.0) is None  # too short to extrapolate
     assert solve_small([[0.5]], None, np.array([0.0, 1.0, 2.0]), float("inf")) is None
-    assert solve_small([[0.5]], None, np.ones((3, 2, 2)), 0.0) is None  # neither 1-D nor 2-D
+    assert solve_small([[0.5]], None, np.ones((3, 2)), 0.0) is None  # not a 1-D table
 
 
 # ------------------------------------------------------------------------------------- losslessness
@@ -313,10 +264,8 @@ def test_malformed_costs_and_caps_are_rejected():
         solve_budget(S, [1.0])
     with pytest.raises(ValueError, match="> 0"):
         solve_budget(S, np.zeros(10))
-    with pytest.raises(ValueError, match="1-D .* or 2-D"):
-        solve_budget(S, np.ones((2, 5, 1)))
-    with pytest.raises(ValueError, match="1-D .* or 2-D"):
-        best_plan(S, np.ones((0, 4)))
+    with pytest.raises(ValueError, match="1-D"):
+        solve_budget(S, np.ones((2, 5)))
     with pytest.raises(ValueError, match="NaN"):
         solve_budget(S, np.full(10, np.nan))
     with pytest.raises(ValueError, match="draft_cost_ms"):

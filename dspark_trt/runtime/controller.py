@@ -13,8 +13,7 @@ Greedy decoding is lossless under any verification policy, so when no request sa
 uses the exact optimum of the live survivals (:func:`solve_budget`). When some request samples, the
 budget B must not depend on that request's current draft tokens (see the solver's module docstring:
 S_{r,k+1} is a function of x_k, so a B sized from live survivals would make "verify x_k" depend on
-x_k). The controller therefore sizes B (and the depth d, with a cost table by depth) with
-:func:`best_plan` on a *sizing matrix* whose rows are:
+x_k). The controller therefore sizes B with :func:`best_budget` on a *sizing matrix* whose rows are:
 
 - for a sampling request seen last step: its survival row from the previous step (stale, as vLLM does);
 - for a sampling request not seen before: a prior row, the exponentially weighted mean survival profile
@@ -23,11 +22,11 @@ x_k). The controller therefore sizes B (and the depth d, with a cost table by de
   the sampling requests' draft randomness), so using them cannot make admission of a sampled x_k depend
   on x_k; this only makes the sizing less stale.
 
-and then admits the top-B slots of the *live* survivals within depth d (:func:`solve_budget_for_b`,
-every cap lowered to d). No input of B or d depends on the current sampled drafts, and with B and d
-fixed, admission of slot (r, k) depends only on slots that never depend on x_k; so each sampled
-request's verify length is a stopping rule ("verify x_k?" is decided from x_1..x_{k-1} and independent
-quantities) and speculative sampling stays exactly target-distributed. The price is staleness, not bias: B is sized for last step's
+and then admits the top-B slots of the *live* survivals (:func:`solve_budget_for_b`). No input of B
+depends on the current sampled drafts, and with B fixed, admission of slot (r, k) depends
+only on slots that never depend on x_k; so each sampled request's verify length is a stopping rule
+("verify x_k?" is decided from x_1..x_{k-1} and independent quantities) and speculative sampling
+stays exactly target-distributed. The price is staleness, not bias: B is sized for last step's
 confidence, the allocation within B still follows the live one.
 
 Caps: a request near max_new_tokens or the context end (or one that drafted fewer than K tokens) can
@@ -48,7 +47,7 @@ import numpy as np
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import spec_syntax
-from dspark_trt.runtime.solver import (SMALL_SLOTS, _best, _lengths, _survival, best_plan, rows_valid,
+from dspark_trt.runtime.solver import (SMALL_SLOTS, _best, _lengths, _survival, best_budget, rows_valid,
                                        solve_budget_for_b, solve_small)
 
 __all__ = ["AdaptiveController", "ControllerMetrics", "CostModel", "parse_spec"]
@@ -61,7 +60,7 @@ DEFAULT_PRIOR_ACCEPTANCE = 0.7
 class CostModel(Protocol):
     """What the controller needs from a cost model (``CostTable`` provides it)."""
 
-    def verify_table(self) -> np.ndarray: ...  # 1-D by verified tokens, or 2-D by depth then tokens (solver)
+    def verify_table(self) -> np.ndarray: ...
 
     def draft_ms(self, batch: int) -> float: ...
 
@@ -220,8 +219,8 @@ class AdaptiveController:
         if R == 0:
             lengths, mode = np.zeros(0, np.int64), "exact"
         elif not sampling.any():
-            _, _, _, admitted = _best(S, capv, table, draft_ms, None)
-            lengths, mode = _lengths(admitted, R), "exact"
+            B, _, order = _best(S, capv, table, draft_ms, None)
+            lengths, mode = _lengths(order, B, R), "exact"
         else:
             sizing = S.copy()
             rows = np.flatnonzero(sampling)
@@ -232,11 +231,8 @@ class AdaptiveController:
             if not known.all():
                 prior = int((~known).sum())
                 sizing[rows[~known]] = self.prior_row(K)
-            budget, depth, _ = best_plan(sizing, table, draft_ms, caps=capv)
-            within = capv  # the drafted caps stay what _remember reads; the depth only limits admission
-            if depth < K:
-                within = np.full(R, depth, np.int64) if capv is None else np.minimum(capv, depth)
-            lengths, mode = solve_budget_for_b(S, budget, caps=within), "stale"
+            budget, _ = best_budget(sizing, table, draft_ms, caps=capv)
+            lengths, mode = solve_budget_for_b(S, budget, caps=capv), "stale"
         self._remember(S, row_of, capv)
         return self._done(mode, lengths, t0, capped, prior)
 
@@ -299,7 +295,7 @@ class AdaptiveController:
             return None
         self._remember_rows(rows, row_of, cap_list)
         capped = 0 if cap_list is None else sum(c < K for c in cap_list)
-        return self._done("exact", np.array(solved[2], dtype=np.int64), t0, capped)
+        return self._done("exact", np.array(solved[1], dtype=np.int64), t0, capped)
 
     def _remember_rows(self, rows: list[list[float]], row_of: dict, caps: list[int] | None) -> None:
         """:meth:`_remember` for valid rows as lists (the small greedy path): the same rows kept, the same

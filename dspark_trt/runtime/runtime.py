@@ -27,6 +27,7 @@ from dspark_trt.runtime.kv_cache import KVCache
 from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.prefill_batching import prefill_group_size, prefill_now
 from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.solver import cap_depth
 from dspark_trt.runtime.spec_guard import SpecGuard
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
@@ -115,11 +116,7 @@ class Runtime:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._in_step = False
-        # Break-even (corrected) survivals of the last solve: of one more draft within its depth, and of
-        # one more layer of drafts beyond it (_marginal_survival); and that depth.
-        self.admit_threshold = 0.0
-        self.admit_threshold_deeper = 0.0
-        self.admit_depth = 0
+        self.admit_threshold = 0.0  # break-even (corrected) survival of the last solve
         self._rate = 0.0  # recent output tokens per ms of step time (EW), the value of a millisecond
         # Recent per-step time outside the calls the cost model prices (EW), for steps without and with
         # drafting: scheduling, solving, committing, and feeding new prompts to the draft. The priced calls
@@ -753,21 +750,19 @@ class Runtime:
     def _keep_drafting(self, reqs: list[Request], corrected: dict, drafted: int, test_call: bool = True) -> set:
         """Adaptive requests worth another draft step, by marginal value.
 
-        A drafted token pays only if the solver admits it, i.e. if its survival clears the break-even
-        survival of the last solve (`_marginal_survival`, in corrected units): one more token within the
-        depth that solve verified to is cheap, a token past it pads every row a layer deeper. The next
-        token's survival is predicted as S_k times the running profile's conditional acceptance at k+1,
-        and a request keeps drafting iff that clears the break-even times STOP_FACTOR. With test_call the
-        call itself is made only if the expected surplus sum (S_pred - theta) is worth its time at the
-        runtime's recent output rate (tokens per ms); without (fixed-K requests draft anyway, or a sampled
-        request is among them) only the per-request test applies. Stopping rules that look only at
-        positions <= k keep sampling lossless.
+        A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the
+        break-even survival of the last solve (`_marginal_survival`, in corrected units). The next token's survival is predicted as
+        S_k times the running profile's conditional acceptance at k+1, and a request keeps drafting iff
+        that clears theta * STOP_FACTOR. With test_call the call itself is made only if the expected
+        surplus sum (S_pred - theta) is worth its time at the runtime's recent output rate (tokens per ms);
+        without (fixed-K requests draft anyway, or a sampled request is among them) only the per-request
+        test applies. Stopping rules that look only at positions <= k keep sampling lossless.
         """
         if not reqs:
             return set()
         conds = self.controller.conditional_acceptance(self.max_draft)
         cond = conds[drafted] if drafted < len(conds) else 0.0
-        theta = self.admit_threshold if drafted < self.admit_depth else self.admit_threshold_deeper
+        theta = self.admit_threshold
         bar = theta * STOP_FACTOR
         keep, surplus = set(), 0.0
         for r in reqs:
@@ -824,10 +819,11 @@ class Runtime:
         fixed_ms = draft_ms + self._overhead_ms("spec", len(decode))
         t = time.perf_counter_ns()
         others = len(decode) - len(adaptive) + sum(lengths.values())
-        table = self._verify_table(others, len(decode), max(lengths.values(), default=0), max(caps))
+        table = self._verify_table(others, len(decode))
         plan = self.controller.plan(live, [r.id for r in adaptive], [r.sampling for r in adaptive],
                                     _StepCost(table, fixed_ms), len(adaptive), caps=caps)
         solver_us = (time.perf_counter_ns() - t) / 1e3
+        exploring = False
         if self.survival_correction is not None:
             # Exploration: survivals that are too pessimistic admit nothing, and then verification never
             # shows that they are wrong. Now and then verify the first draft of every request regardless
@@ -836,6 +832,9 @@ class Runtime:
             if self._unverified_steps >= EXPLORE_EVERY:
                 self._unverified_steps = 0
                 plan = np.minimum(caps, 1)
+                exploring = True
+        if not exploring and plan.any() and self.cost is not None and self.cost.call_shape is not None:
+            plan = self._cap_depth(plan, live, decode, lengths, drafts, fixed_ms)
         plan = plan.tolist()
         for r, L in zip(adaptive, plan):
             lengths[r.id] = L
@@ -843,9 +842,8 @@ class Runtime:
         # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = sum(sum(s[:L]) for s, L in zip(rows, plan))
-        self.admit_threshold, self.admit_threshold_deeper = self._marginal_survival(
-            len(adaptive), admitted, sum(plan), table, fixed_ms, depth=max(plan), span=max(4, len(decode)))
-        self.admit_depth = max(plan) if table.ndim == 2 else K
+        self.admit_threshold = self._marginal_survival(len(adaptive), admitted, sum(plan), table, fixed_ms,
+                                                       span=max(4, len(decode)))
         return lengths, solver_us
 
     def _overhead_ms(self, kind: str, n_decode: int) -> float:
@@ -857,44 +855,50 @@ class Runtime:
         key = min(self._overhead, key=lambda k: (k[0] != kind, abs(k[1] - b), k[1]))
         return self._overhead[key]
 
+    def _cap_depth(self, plan: np.ndarray, live: list, decode: list[Request], fixed: dict, drafts: dict,
+                   fixed_ms: float) -> np.ndarray:
+        """Cap adaptive verify lengths where padding every row to the deepest stops paying (solver.cap_depth)."""
+        shape = self.cost.call_shape
+        rows = len(decode)
+        fixed_tokens, fixed_deep = sum(fixed.values()), max(fixed.values(), default=0)
+        deepest = max(int(plan.max()), fixed_deep)
+        if len(plan) == rows and deepest <= -(-int(plan.sum()) // rows):
+            # Every row adaptive and the depths as even as they can be: the solver's table priced exactly
+            # this shape, and every capped allocation costs at least its even spread, which the solver
+            # already weighed; so no cap can do better (and skipping saves ~0.1 ms a step).
+            return plan
+        base = rows + sum(float(np.sum(drafts[rid][3][:L])) for rid, L in fixed.items() if L)
+
+        def call_ms(extra: int, depth: int) -> float:
+            return shape.ms(rows + fixed_tokens + extra, rows, 1 + max(depth, fixed_deep), self._past)
+
+        d = cap_depth(plan, live, call_ms, fixed_ms, base)
+        return np.minimum(plan, d)
+
     @staticmethod
     def _marginal_survival(requests: int, admitted_sum: float, budget: int, table: np.ndarray,
-                           draft_ms: float, depth: int = 0, span: int = 4) -> tuple[float, float]:
-        """The survivals at which one more verified draft breaks even at this step's solution: the step's
-        expected output per ms times the marginal cost of a verified token. Returns (within, deeper):
-
-        - within: one more token at the solution's depth (a 2-D table, by depth then tokens, prices it
-          exactly; a 1-D one cannot tell depth, and both values are the `deeper` one);
-        - deeper: a token that needs a layer deeper, averaged over `span` tokens. The runtime spans a layer
-          of the call (one more token for each of its rows): every layer deeper costs a padding jump that
-          only a whole layer shares, and a span of a few tokens would charge the jump to them and stop
-          every request drafting.
-
-        Unlike the weakest admitted survival, these do not rise when the solver admits everything that was
-        drafted, so drafting depth cannot ratchet down."""
+                           draft_ms: float, span: int = 4) -> float:
+        """The survival at which one more verified draft breaks even at this step's solution: the
+        step's expected output per ms times the marginal cost of a verified token, averaged over `span`
+        tokens. The runtime spans a layer of the call (one more token for each of its rows): with padding
+        every layer deeper costs a jump that only a whole layer shares, and a solution sits at a layer's
+        end whenever the rows verify alike, where a span of a few tokens would charge the next jump to
+        them and stop every request drafting. Unlike the weakest admitted survival, this does not rise
+        when the solver admits everything that was drafted, so drafting depth cannot ratchet down."""
         t = requests + budget
-        if table.ndim == 2:
-            row, below = table[min(depth, len(table) - 1)], table[min(depth + 1, len(table) - 1)]
-        else:
-            row = below = table
-        cost = draft_ms + table_lookup(row, t)
+        cost = draft_ms + table_lookup(table, t)
         if cost <= 0:
-            return 0.0, 0.0
+            return 0.0
         rate = (requests + admitted_sum) / cost
-        deeper = max(0.0, rate * (table_lookup(below, t + span) - table_lookup(row, t)) / span)
-        if table.ndim != 2:
-            return deeper, deeper
-        return max(0.0, rate * (table_lookup(row, t + 1) - table_lookup(row, t))), deeper
+        return max(0.0, rate * (table_lookup(table, t + span) - table_lookup(table, t)) / span)
 
-    def _verify_table(self, extra_tokens: int, rows: int = 0, fixed_depth: int = 0, drafted: int | None = None
-                      ) -> np.ndarray:
+    def _verify_table(self, extra_tokens: int, rows: int = 0) -> np.ndarray:
         """Verify cost by verified-token count, shifted by tokens other requests verify anyway.
 
-        With a call-shape model the table is this step's, by depth then tokens (solver.solve_budget):
-        `rows` decode rows attending over this step's past, every row padded to the deepest request's
-        query (1 + max(depth, fixed_depth), fixed_depth being the deepest fixed-K request's), for depths up
-        to one past the deepest draft (`drafted`: the break-even of a layer deeper reads that row).
-        Without one, the profile's token table (1-D), measured with rows packed 8 tokens deep."""
+        With a call-shape model the table is this step's: `rows` decode rows attending over this step's
+        past, the extra tokens spread evenly over the rows (the least padding they can cost; the depth
+        cap prices uneven depth). The profile's token table was measured with rows packed 8 tokens
+        deep, so it charges each token a share of a row's cost that a fixed set of rows does not pay."""
         if self.cost is None:
             n = self.max_tokens_per_step + 1
             return np.arange(n, dtype=np.float64) + 1.0  # no profile: cost proportional to tokens
@@ -902,14 +906,13 @@ class Runtime:
         if shape is not None and rows > 0:
             # As far as this step can reach (every row at full depth, plus the marginal span), not the
             # whole token range: this runs every step.
-            deepest = self.max_draft if drafted is None else min(self.max_draft, drafted + 1)
-            n = min(self.max_tokens_per_step, extra_tokens + rows * (deepest + 1) + 8) + 1
+            n = min(self.max_tokens_per_step, extra_tokens + rows * (self.max_draft + 1) + 8) + 1
             t = np.arange(n, dtype=np.float64)
-            longest = 1.0 + np.maximum(np.arange(deepest + 1), fixed_depth)[:, None]
-            grid = shape.table(t[None, :], rows, longest, self._past)
-            grid[:, 0] = 0.0
-            return grid[:, extra_tokens:] if extra_tokens < n - 1 else grid[:, -2:]
-        table = np.asarray(self.cost.verify_table(), dtype=np.float64)
+            longest = 1.0 + np.ceil(np.maximum(t - rows, 0.0) / rows)
+            table = shape.table(t, rows, longest, self._past)
+            table[0] = 0.0
+        else:
+            table = np.asarray(self.cost.verify_table(), dtype=np.float64)
         return table[extra_tokens:] if extra_tokens < len(table) - 1 else table[-2:]
 
     # ------------------------------------------------------------------ committing

@@ -19,17 +19,6 @@ scanning every B with one sort and one cumsum is exact. Ties are broken by earli
 every request, which gives its verify length L_r. B = 0 (plain decoding) is always a candidate, and
 among equal objectives the smallest B wins.
 
-Depth. A packed verify call pads every request's query to the longest one (models/decoder.py), so its
-cost depends on the deepest row as well as on the token count: one request verifying 7 drafts makes
-every row cost 8. Given a cost table by depth, ``verify_cost_ms[d, t]`` (no request verifies more than
-d drafts), the solver maximises over both::
-
-    (B*, d*) = argmax_{d, B}  (N + sum of the top B survivals among positions <= d) / (draft + verify[d, R + B])
-
-For a fixed (d, B) the cost is fixed and the best slots are the top B among positions <= d, so this is
-exact with the one sort and a scan per depth. Restricting to positions <= d is a cap on every row,
-which keeps the prefix structure (and the stopping-rule argument below) intact.
-
 Why the allocation is lossless under sampling only if B does not depend on the current drafts
 --------------------------------------------------------------------------------------------
 Speculative sampling stays exactly target-distributed when the decision "verify draft token x_k"
@@ -56,7 +45,7 @@ __all__ = [
     "MONOTONE_ATOL",
     "SMALL_SLOTS",
     "best_budget",
-    "best_plan",
+    "cap_depth",
     "extend_linear",
     "solve_budget",
     "solve_budget_for_b",
@@ -180,123 +169,51 @@ def _verify_costs(verify_cost_ms, start: int, count: int) -> np.ndarray:
     return out
 
 
-def _step_constants(R, draft_cost_ms, n_emitting) -> tuple[float, float]:
-    """(draft ms, emitting requests N) of the objective, validated."""
+def _objective_curve(R, flat, order, capacity, verify_cost_ms, draft_cost_ms, n_emitting):
+    """Objective for every B in 0..capacity: (N + top-B survival sum) / (draft + verify[R + B])."""
     d = float(draft_cost_ms)
     if not 0.0 <= d < np.inf:
         raise ValueError(f"draft_cost_ms must be finite and >= 0; got {draft_cost_ms}")
     N = R if n_emitting is None else float(n_emitting)
     if not 0.0 <= N < np.inf:
         raise ValueError(f"n_emitting must be finite and >= 0; got {n_emitting}")
-    return d, N
-
-
-def _check_denominators(denom: np.ndarray) -> None:
+    gains = np.empty(capacity + 1)
+    gains[0] = N
+    gains[1:] = flat[order[:capacity]]
+    np.cumsum(gains, out=gains)
+    denom = _verify_costs(verify_cost_ms, R, capacity + 1) + d
     if not denom.min() > 0.0:  # also catches NaN
         if np.isnan(denom).any():
             raise ValueError("verify_cost_ms contains NaN")
         raise ValueError("step cost (draft_cost_ms + verify_cost_ms[R + B]) must be > 0 for every candidate B")
-
-
-def _objective_curve(R, values, verify_cost_ms, draft_cost_ms, n_emitting):
-    """Objective for every B in 0..len(values): (N + sum of the first B values) / (draft + verify[R + B])."""
-    d, N = _step_constants(R, draft_cost_ms, n_emitting)
-    count = len(values)
-    gains = np.empty(count + 1)
-    gains[0] = N
-    gains[1:] = values
-    np.cumsum(gains, out=gains)
-    denom = _verify_costs(verify_cost_ms, R, count + 1) + d
-    _check_denominators(denom)
     gains /= denom
     return gains
 
 
-def _grid(verify_cost_ms) -> np.ndarray:
-    v = np.asarray(verify_cost_ms, dtype=np.float64)
-    if v.ndim not in (1, 2) or (v.ndim == 2 and v.shape[0] == 0):
-        raise ValueError("verify_cost_ms must be 1-D (by verified-token count) or 2-D (by depth, then count); "
-                         f"got shape {v.shape}")
-    return v
-
-
 def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting):
-    """(B, depth, objective, admitted slots) of the best plan; depth K where the table prices no depth.
-
-    With a 2-D table, for each depth d the candidates are the top-B slots among positions <= d, priced
-    by row d; depths past the deepest slot that can be admitted add no slot (they only pad), so they are
-    not candidates. First maximum: the smallest depth, then the smallest B, among ties.
-    """
-    R, K = S.shape
     order, flat, capacity = _rank(S, caps)
-    ranked = order[:capacity]
-    v = _grid(verify_cost_ms)
-    if v.ndim == 1:
-        obj = _objective_curve(R, flat[ranked], v, draft_cost_ms, n_emitting)
-        B = int(np.argmax(obj))
-        return B, K, float(obj[B]), ranked[:B]
-    return _best_by_depth(R, K, flat[ranked], ranked, v, draft_cost_ms, n_emitting)
+    obj = _objective_curve(S.shape[0], flat, order, capacity, verify_cost_ms, draft_cost_ms, n_emitting)
+    B = int(np.argmax(obj))  # first maximum: the smallest B among ties
+    return B, float(obj[B]), order
 
 
-def _best_by_depth(R, K, values, ranked, v, draft_cost_ms, n_emitting):
-    """The 2-D case of :func:`_best`, every depth at once: row d of each matrix is the scan of depth d
-    (the ranked slots at positions < d; the others add 0.0 to the running sum, which changes no bit)."""
-    d, N = _step_constants(R, draft_cost_ms, n_emitting)
-    capacity = values.size
-    pos = ranked // R  # k-major flat index: 0-based draft position
-    top = int(pos.max()) + 1 if capacity else 0  # the first depth that admits every slot
-    depths = min(K, v.shape[0] - 1, top) + 1
-    inside = pos[None, :] < np.arange(depths)[:, None]  # (depths, capacity)
-    gains = np.empty((depths, capacity + 1))
-    gains[:, 0] = N
-    gains[:, 1:] = np.where(inside, values[None, :], 0.0)
-    np.cumsum(gains, axis=1, out=gains)
-    counts = np.zeros((depths, capacity + 1), dtype=np.int64)
-    np.cumsum(inside, axis=1, out=counts[:, 1:])
-    table = np.ascontiguousarray(v[:depths])
-    n, end = table.shape[1], R + int(counts[:, -1].max()) + 1
-    if end > n:
-        if n < 2:
-            raise ValueError(f"verify_cost_ms needs at least 2 entries to extrapolate to {end - 1} tokens; it has {n}")
-        beyond = table[:, -1:] + np.arange(n - (n - 1), end - (n - 1)) * (table[:, -1:] - table[:, -2:-1])
-        table = np.hstack([table, beyond])
-    # Past a slot of another depth an entry repeats the last admitted slot's sum and count (so its cost
-    # and objective): every entry is some candidate's, no mask is needed, and the first maximum is a
-    # candidate.
-    width = table.shape[1]
-    denom = table.ravel()[(np.arange(depths) * width)[:, None] + (R + counts)] + d
-    _check_denominators(denom)
-    obj = gains / denom
-    depth, j = divmod(int(np.argmax(obj)), capacity + 1)  # first maximum: smallest depth, then B
-    B = int(counts[depth, j])
-    return B, depth, float(obj[depth, j]), ranked[:j][inside[depth, :j]]
-
-
-def _lengths(admitted, R: int) -> np.ndarray:
-    return np.bincount(admitted % R, minlength=R).astype(np.int64) if R else np.zeros(0, np.int64)
-
-
-def best_plan(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
-              ) -> tuple[int, int, float]:
-    """The exact optimal budget B*, its depth d* and its objective (expected output tokens per ms).
-
-    Arguments as in :func:`solve_budget`. Use it to size the plan from one survival matrix (e.g. stale
-    rows) and allocate with :func:`solve_budget_for_b` from another (the live rows), with every cap
-    lowered to d*. d* is K for a 1-D cost table (it prices no depth). With R = 0 there is nothing to
-    run: returns (0, 0, 0.0).
-    """
-    S = _survival(survival)
-    R, K = S.shape
-    if R == 0:
-        return 0, 0, 0.0
-    B, depth, obj, _ = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
-    return B, depth, obj
+def _lengths(order, B: int, R: int) -> np.ndarray:
+    return np.bincount(order[:B] % R, minlength=R).astype(np.int64) if R else np.zeros(0, np.int64)
 
 
 def best_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
                 ) -> tuple[int, float]:
-    """The exact optimal budget B* and its objective: :func:`best_plan` without the depth."""
-    B, _, obj = best_plan(survival, verify_cost_ms, draft_cost_ms, n_emitting, caps=caps)
+    """The exact optimal budget B* and its objective (expected output tokens per ms).
+
+    Arguments as in :func:`solve_budget`. Use it to size B from one survival matrix (e.g. stale rows)
+    and allocate with :func:`solve_budget_for_b` from another (the live rows). With R = 0 there is
+    nothing to run: returns (0, 0.0).
+    """
+    S = _survival(survival)
+    R, K = S.shape
+    if R == 0:
+        return 0, 0.0
+    B, obj, _ = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
     return B, obj
 
 
@@ -314,7 +231,7 @@ def solve_budget_for_b(survival, budget: int, *, caps=None) -> np.ndarray:
     if R == 0:
         return np.zeros(0, np.int64)
     order, _, capacity = _rank(S, _caps(caps, R, K))
-    return _lengths(order[:min(max(int(budget), 0), capacity)], R)
+    return _lengths(order, min(max(int(budget), 0), capacity), R)
 
 
 def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
@@ -322,26 +239,23 @@ def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emittin
     """Per-request verify lengths L (R,) that maximise expected output tokens per ms of step time.
 
     survival: (R, K) floats in [0, 1], non-increasing along each row (S_{r,k} = prod_{i<=k} c_{r,i}).
-    verify_cost_ms: ms of the verify step by the tokens t it verifies in all: 1-D, ``verify_cost_ms[t]``;
-        or 2-D, ``verify_cost_ms[d, t]`` where no request verifies more than d drafts (a packed call pads
-        every row to its longest query, so depth costs on top of tokens). The step verifies R + B tokens
-        (one next/bonus token per request plus the budget). Beyond a table's end it is extrapolated
-        linearly from the last two entries.
+    verify_cost_ms: 1-D, ``verify_cost_ms[t]`` = ms of a verify step over t tokens in total; the step
+        verifies R + B tokens (one next/bonus token per request plus the budget). Beyond the table's end
+        it is extrapolated linearly from the last two entries.
     draft_cost_ms: the step's drafting cost, added to every candidate's denominator.
     n_emitting: N, requests that emit a token this step (default R).
     caps: optional (R,) ints, the most drafts request r may verify (near max_new_tokens or the context
         end); slots beyond a cap are never admitted.
 
     Uses the live survivals to choose B, so it is lossless for greedy decoding only; see the module
-    docstring for sampling. Exact over B in 0..R*K (and every depth of a 2-D table); ties resolve to the
-    smallest depth, then the smallest B.
+    docstring for sampling. Exact over B in 0..R*K; ties resolve to the smallest B.
     """
     S = _survival(survival)
     R, K = S.shape
     if R == 0:
         return np.zeros(0, np.int64)
-    B, _, _, admitted = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
-    return _lengths(admitted, R)
+    B, _, order = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+    return _lengths(order, B, R)
 
 
 def rows_valid(rows: list[list[float]]) -> bool:
@@ -358,16 +272,14 @@ def rows_valid(rows: list[list[float]]) -> bool:
 
 
 def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms, draft_cost_ms: float,
-                n_emitting=None) -> tuple[int, int, list[int]] | None:
-    """(B*, depth d*, verify lengths) of :func:`best_plan` / :func:`solve_budget` in pure Python, for a few
-    valid rows (see rows_valid).
+                n_emitting=None) -> tuple[int, list[int]] | None:
+    """(B*, verify lengths) of :func:`solve_budget` in pure Python, for a few valid rows (see rows_valid).
 
     The same computation as the numpy path, in the same order: slots ranked by survival, ties to the
     earlier position then the lower request (a stable sort of the k-major slots), the objective's
-    numerator summed in rank order, the same cost table extrapolation, the same depths scanned, the first
-    maximum. So the result is identical, not just close. Returns None where the numpy path must answer
-    instead (a cost table or draft cost it would reject, or too short to extrapolate): it raises the error
-    that explains.
+    numerator summed in rank order, the same cost table extrapolation, the first maximum. So the result
+    is identical, not just close. Returns None where the numpy path must answer instead (a cost table or
+    draft cost it would reject, or too short to extrapolate): it raises the error that explains.
     """
     R = len(rows)
     K = len(rows[0]) if R else 0
@@ -375,49 +287,69 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
     N = float(R if n_emitting is None else n_emitting)
     if not (0.0 <= d < math.inf and 0.0 <= N < math.inf):
         return None
-    vals, slot, pos = [], [], []
+    vals, slot = [], []
     for k in range(K):
         for r in range(R):
             if caps is None or k < caps[r]:
                 vals.append(rows[r][k])
                 slot.append(r)
-                pos.append(k)
     order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep k-major order
     if isinstance(verify_cost_ms, np.ndarray):
-        if verify_cost_ms.ndim not in (1, 2) or not verify_cost_ms.shape[0]:
+        if verify_cost_ms.ndim != 1:
             return None
-        tables = np.asarray(verify_cost_ms, dtype=np.float64).tolist()  # Python floats already
+        table = verify_cost_ms.tolist()
     else:
-        tables = [[float(x) for x in row] if isinstance(row, (list, tuple)) else float(row) for row in verify_cost_ms]
-    if tables and isinstance(tables[0], list):
-        depths = range(min(K, len(tables) - 1) + 1)
-    else:
-        tables, depths = [tables], [K]
-    best_obj, best = -math.inf, None
-    for depth in depths:
-        sel = order if depth >= K else [i for i in order if pos[i] < depth]
-        table = tables[min(depth, len(tables) - 1)]
-        n = len(table)
-        end = R + len(sel) + 1
-        if end > n:
-            if n < 2:
-                return None
-            last, slope = table[-1], table[-1] - table[-2]
-            table = table + [last + m * slope for m in range(1, end - n + 1)]
-        g = N
-        for b in range(len(sel) + 1):
-            if b:
-                g += vals[sel[b - 1]]
-            denom = table[R + b] + d
-            if not denom > 0.0:
-                return None
-            obj = g / denom
-            if obj > best_obj:
-                best_obj, best = obj, (b, depth, sel)
-        if len(sel) == len(order):
-            break
-    b, depth, sel = best
+        table = [float(x) for x in verify_cost_ms]
+    n = len(table)
+    end = R + len(order) + 1
+    if end > n:
+        if n < 2:
+            return None
+        last, slope = table[-1], table[-1] - table[-2]
+        table = table + [last + m * slope for m in range(1, end - n + 1)]
+    g = N
+    best_obj, best = -math.inf, 0
+    for b in range(len(order) + 1):
+        if b:
+            g += vals[order[b - 1]]
+        denom = table[R + b] + d
+        if not denom > 0.0:
+            return None
+        obj = g / denom
+        if obj > best_obj:
+            best_obj, best = obj, b
     lengths = [0] * R
-    for i in sel[:b]:
+    for i in order[:best]:
         lengths[slot[i]] += 1
-    return b, depth, lengths
+    return best, lengths
+
+
+def cap_depth(lengths, survival, call_ms, fixed_ms: float = 0.0, base_gain: float = 0.0) -> int:
+    """The depth cap d that maximises expected output per ms when every row is padded to its longest.
+
+    The budget above prices verified tokens by count; a packed engine call that pads each row to the
+    call's longest query (models/decoder.py) also pays for depth: one request verifying 7 drafts makes
+    every row cost 8. For each cap d from max(lengths) down to 1, expected output is
+    ``base_gain + sum_r S_{r, <= min(L_r, d)}`` and the step costs ``fixed_ms + call_ms(extra tokens,
+    d)``, with ``call_ms(tokens, depth)`` the verify call's time for ``tokens`` verified drafts whose
+    longest row verifies ``depth``. Returns the best d (ties keep the deeper cap; 0 only when nothing
+    is admitted). Capping only removes later slots of a request, which never outrank earlier ones, so
+    it keeps the allocation's lossless structure.
+    """
+    L = np.asarray(lengths, dtype=np.int64)
+    deepest = int(L.max()) if L.size else 0
+    if deepest <= 0:
+        return 0
+    S = np.asarray(survival, dtype=np.float64)
+    # Expected accepted drafts of each row at each cap d = 1..deepest: cumulative survival at min(L, d).
+    cum = np.concatenate([np.zeros((len(L), 1)), np.cumsum(S[:, :deepest], axis=1)], axis=1)
+    capped = np.minimum(L[None, :], np.arange(1, deepest + 1)[:, None])  # (deepest, R)
+    gain = base_gain + cum[np.arange(len(L))[None, :], capped].sum(axis=1)
+    ms = fixed_ms + np.array([float(call_ms(int(t), d)) for d, t in enumerate(capped.sum(axis=1), start=1)])
+    rate = np.divide(gain, ms, out=np.full(deepest, np.inf), where=ms > 0)
+    # The deepest cap unless a shallower one is strictly better (ties keep the deeper cap).
+    best = deepest
+    for d in range(deepest - 1, 0, -1):
+        if rate[d - 1] > rate[best - 1] * (1 + 1e-9):
+            best = d
+    return best
