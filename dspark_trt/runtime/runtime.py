@@ -678,7 +678,8 @@ class Runtime:
         limit = self.max_draft + 1
         # A sampled request's drafts must not decide whether other requests draft on (the call test sums
         # every request's surplus): their extra slots would then compete for the budget depending on the
-        # sampled tokens, and "verify x_k" would depend on x_k. Decided before drafting, from modes only.
+        # sampled tokens, and "verify x_k" would depend on x_k. Decided before drafting, from the requests'
+        # settings only.
         test_call = not any(r.sampling and r.mode.kind == "adaptive" for r in reqs)
         while True:
             behind = {r.id: len(r.tokens) - r.draft_len for r in reqs}
@@ -751,9 +752,9 @@ class Runtime:
         """Adaptive requests worth another draft step, by marginal value.
 
         A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the
-        break-even survival of the last solve (`_marginal_survival`, in corrected units). The next token's survival is predicted as
-        S_k times the running profile's conditional acceptance at k+1, and a request keeps drafting iff
-        that clears theta * STOP_FACTOR. With test_call the call itself is made only if the expected
+        break-even survival of the last solve (`_marginal_survival`, in corrected units). The next token's
+        survival is predicted as S_k times the running profile's conditional acceptance at k+1, and a
+        request keeps drafting iff that clears theta * STOP_FACTOR. With test_call the call itself is made only if the expected
         surplus sum (S_pred - theta) is worth its time at the runtime's recent output rate (tokens per ms);
         without (fixed-K requests draft anyway, or a sampled request is among them) only the per-request
         test applies. Stopping rules that look only at positions <= k keep sampling lossless.
