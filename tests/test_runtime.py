@@ -379,6 +379,7 @@ def test_a_sampled_requests_drafts_never_decide_whether_other_requests_draft_on(
         # and the per-request test alone keeps a request whose next draft clears the break-even
         rt._keep_drafting = keep
         rt.cost = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(9, 1.0) * (np.arange(9) > 0))
+        rt.controller.reset()  # the default prior profile: the next draft's conditional acceptance is 0.7
         rt.admit_threshold = 0.1
         rt._rate = 1e6  # any call is dear at this rate
         reqs = [SimpleNamespace(id=0)]
