@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+from dspark_trt.runtime.spec_guard import load_bucket
+
 FEATURES = ("call", "tokens", "rows_x_past/100", "rows_x_longest_x_span/1000")
 
 
@@ -76,13 +78,9 @@ class CallShapeCost:
             raise ValueError(f"need at least {len(FEATURES)} call shapes as [tokens, rows, longest, past, ms]")
         return cls(fit_nonnegative(features(*a[:, :4].T), a[:, 4]))
 
-    @staticmethod
-    def _width(rows: int) -> int:
-        return int(round(math.log2(max(1, rows))))
-
     def drift(self, rows: int) -> float:
         """The log drift factor applied to calls of this many rows."""
-        return self.width_drift.get(self._width(rows), self.log_drift)
+        return self.width_drift.get(load_bucket(rows), self.log_drift)
 
     def ms(self, tokens: int, rows: int, longest: int, past: int) -> float:
         """Predicted ms of one call (drift-corrected)."""
@@ -106,7 +104,7 @@ class CallShapeCost:
             return
         x = math.log(ms / pred)
         lo, hi = self.BOUNDS
-        w = self._width(rows)
+        w = load_bucket(rows)
         own = self.width_drift.get(w, self.log_drift)
         self.width_drift[w] = min(max(own + self.ALPHA * (x - own), lo), hi)
         self.log_drift = min(max(self.log_drift + self.ALPHA * (x - self.log_drift), lo), hi)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SpecGuard"]
+__all__ = ["SpecGuard", "load_bucket"]
 
 TRIAL_LEN = 8
 MIN_EVERY, MAX_EVERY = 48, 1000
@@ -39,6 +39,12 @@ MARGIN = 0.03  # the other arm must be this much faster than the model's choice 
 Z = 2.0  # ... plus this many standard errors of the difference (at 16 requests a step's output is noisy
 #          enough that one standard error flipped the guard to plain decoding for whole runs)
 ALPHA = 0.05  # weight of one step in an arm's sums (~20 steps of memory, across trials)
+
+
+def load_bucket(n: int) -> int:
+    """A count of rows or requests to the nearest power of two, as its exponent: the load buckets of the
+    guard, of the runtime's step overhead and of the call-shape drift."""
+    return int(round(math.log2(max(1, n))))
 
 
 class _Rate:
@@ -86,7 +92,7 @@ class SpecGuard:
 
     @staticmethod
     def bucket(n_decode: int) -> int:
-        return int(round(math.log2(max(1, n_decode))))
+        return load_bucket(n_decode)
 
     @staticmethod
     def _preferred(b: _Bucket, model: str) -> tuple[str, float]:
