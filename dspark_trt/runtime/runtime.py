@@ -754,10 +754,11 @@ class Runtime:
         A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the
         break-even survival of the last solve (`_marginal_survival`, in corrected units). The next token's
         survival is predicted as S_k times the running profile's conditional acceptance at k+1, and a
-        request keeps drafting iff that clears theta * STOP_FACTOR. With test_call the call itself is made only if the expected
-        surplus sum (S_pred - theta) is worth its time at the runtime's recent output rate (tokens per ms);
-        without (fixed-K requests draft anyway, or a sampled request is among them) only the per-request
-        test applies. Stopping rules that look only at positions <= k keep sampling lossless.
+        request keeps drafting iff that clears theta * STOP_FACTOR. With test_call the call itself is
+        made only if the expected surplus sum (S_pred - theta) is worth its time at the runtime's recent
+        output rate (tokens per ms); without (fixed-K requests draft anyway, or a sampled request is among
+        them) only the per-request test applies. Stopping rules that look only at positions <= k keep
+        sampling lossless.
         """
         if not reqs:
             return set()
