@@ -18,10 +18,11 @@ class KVCache:
         self.values = [np.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         self.max_context = max_context
         self.slots = slots
-        # The same buffers as [max_context * slots, kv_heads, head_dim] views, interleaved like
-        # `present`: a write through one flat index is ~4x faster than numpy's (position, slot) pairs.
-        self._flat = [b.reshape(max_context * slots, kv_heads, head_dim) for kv in zip(self.keys, self.values)
-                      for b in kv]
+        # The same buffers as [max_context * slots, kv_heads * head_dim] views, interleaved like
+        # `present`: a write through one flat index is ~4x faster than numpy's (position, slot) pairs,
+        # and rows of one flat axis ~2x faster again than rows of [kv_heads, head_dim].
+        self._row = kv_heads * head_dim
+        self._flat = [b.reshape(max_context * slots, self._row) for kv in zip(self.keys, self.values) for b in kv]
 
     def past(self, length: int) -> list[np.ndarray]:
         """Interleaved [k0, v0, k1, v1, ...] views of the first `length` positions (at least 1)."""
@@ -32,7 +33,7 @@ class KVCache:
         """present: interleaved new entries [N, KVH, D]; positions/slots: [N] where each one goes."""
         index = np.asarray(positions, dtype=np.int64) * self.slots + np.asarray(slots, dtype=np.int64)
         for buf, new in zip(self._flat, present):
-            buf[index] = new
+            buf[index] = new.reshape(len(index), self._row)
 
     @property
     def nbytes(self) -> int:

@@ -133,6 +133,7 @@ class Runtime:
         self._overhead: dict[tuple[str, int], float] = {}
         self._overhead_n: dict[tuple[str, int], int] = {}
         self._priced_ms = 0.0  # this step's full time in the calls the cost model prices
+        self._draft_timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), see _draft
         self._switch_ms = 0.0  # ... and in feeding the draft text generated while it did not draft
         # Measured check that speculating beats not speculating (spec_guard.py); None: trust the model.
         self.spec_guard: SpecGuard | None = SpecGuard()
@@ -143,6 +144,7 @@ class Runtime:
         self._spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
         self._probes = 0
         self._plan_cache: dict = {}
+        self._even_grid: dict = {}  # see _verify_table
         self._unverified_steps = 0
         self._past = 0  # longest past of this step's decoding requests (what the verify call attends over)
         self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
@@ -741,6 +743,9 @@ class Runtime:
         for r in reqs:
             r.draft_len = len(r.tokens)
             r.draft_rounds += 1
+        for batch, ms in self._draft_timings:
+            self.cost.observe_draft(batch, ms)
+        self._draft_timings.clear()
         # probs stay a list of [V] rows (stacked into draft_probs only for sampling requests)
         out = {r.id: (toks[r.id], probs[r.id], np.asarray(surv[r.id], dtype=np.float32), corr[r.id])
                for r in reqs}
@@ -795,7 +800,9 @@ class Runtime:
             if self.cost is not None and self.metrics.steps % OBSERVE_EVERY == 0:
                 # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a
                 # sizeable share of a small draft call, and the planner must weigh what it really costs.
-                self.cost.observe_draft(len(reqs), full)
+                # Fed back once the step's drafting is done (_draft): each feed invalidates the corrected
+                # draft table, which the draft loop reads between calls (~0.1 ms a rebuild).
+                self._draft_timings.append((len(reqs), full))
         return outs, ms
 
     # ------------------------------------------------------------------ verify lengths
@@ -812,11 +819,12 @@ class Runtime:
                 adaptive.append(r)
         if not adaptive:
             return lengths, 0.0
-        # Lists, not arrays: for a few requests the controller plans in plain Python (solver.SMALL_SLOTS),
-        # where every numpy call would cost more than its arithmetic.
+        # Survivals as lists, not arrays: for a few requests the controller plans in plain Python
+        # (solver.SMALL_SLOTS), where every numpy call would cost more than its arithmetic. Caps as int64,
+        # which the controller takes without converting.
         K = self.max_draft
         rows = [drafts[r.id][3] for r in adaptive]  # online-corrected survivals
-        caps = [len(s) for s in rows]
+        caps = np.fromiter((len(s) for s in rows), dtype=np.int64, count=len(rows))
         live = [s + [0.0] * (K - len(s)) for s in rows]
         fixed_ms = draft_ms + self._overhead_ms("spec", len(decode))
         t = time.perf_counter_ns()
@@ -854,6 +862,9 @@ class Runtime:
         if not self._overhead:
             return 0.0
         b = SpecGuard.bucket(n_decode)
+        own = self._overhead.get((kind, b))
+        if own is not None:
+            return own
         key = min(self._overhead, key=lambda k: (k[0] != kind, abs(k[1] - b), k[1]))
         return self._overhead[key]
 
@@ -909,8 +920,13 @@ class Runtime:
             # As far as this step can reach (every row at full depth, plus the marginal span), not the
             # whole token range: this runs every step.
             n = min(self.max_tokens_per_step, extra_tokens + rows * (self.max_draft + 1) + 8) + 1
-            t = np.arange(n, dtype=np.float64)
-            longest = 1.0 + np.ceil(np.maximum(t - rows, 0.0) / rows)
+            grid = self._even_grid.get((n, rows))
+            if grid is None:  # token counts and the longest row of their even spread: fixed per (n, rows)
+                if len(self._even_grid) >= 256:
+                    self._even_grid.clear()
+                t = np.arange(n, dtype=np.float64)
+                grid = self._even_grid[(n, rows)] = (t, 1.0 + np.ceil(np.maximum(t - rows, 0.0) / rows))
+            t, longest = grid
             table = shape.table(t, rows, longest, self._past)
             table[0] = 0.0
         else:
