@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dspark_trt.bench.harness import (DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODES, DEFAULT_NUM_PROMPTS,
-                                      QUICK, apply_quick, parse_concurrency, parse_modes, resolve_out_dir,
-                                      steady_window, summarize_requests)
+                                      QUICK, _summary, apply_quick, parse_concurrency, parse_modes,
+                                      resolve_out_dir, steady_window, summarize_requests)
 from dspark_trt.bench.oracle import as_cost_fn, draft_batches, draft_cost, oracle_goodput, step_costs
 from dspark_trt.bench.prompts import corpus_prompts, file_prompts, prompt_budget, read_prompt_file
 from dspark_trt.errors import DsparkError
@@ -180,6 +180,49 @@ def test_steady_window_needs_a_full_concurrency_stretch():
     assert steady_window([(float(t), t) for t in range(1, 8)], one_wave) is None
     assert steady_window([], [{"submitted_at": 3.0, "done_at": 1.0}]) is None
     assert steady_window([(1.0, 1)], []) is None
+
+
+
+def _cell(mode, rounds, c=8):
+    return {"mode": mode, "concurrency": c, "round_output_tok_s": list(rounds), "output_tok_s": float(np.median(rounds))}
+
+
+def test_summary_in_sample_best_is_the_luckiest_held_out_is_not():
+    # Every mode is truly as fast (100 tok/s); the fixed modes' rounds carry noise, adaptive's none.
+    runs = [_cell("off", [90, 90, 90]), _cell("fixed:1", [104, 96, 103]), _cell("fixed:2", [97, 104, 102]),
+            _cell("fixed:3", [103, 101, 95]), _cell("adaptive", [100, 100, 100])]
+    s, = _summary(runs, [8])
+    # In sample: the highest median (fixed:1, 103) is the luckiest, and adaptive looks 3% slower.
+    assert s["best_fixed"] == "fixed:1" and s["adaptive_over_best"] == pytest.approx(100 / 103)
+    assert s["adaptive_over_best_rounds"] == pytest.approx([100 / 104, 100 / 96, 100 / 103])
+    # Held out: round 1 against the best of rounds 2-3 (fixed:2, 103 there), and so on.
+    assert s["held_out_picks"] == ["fixed:2", "fixed:1", "fixed:3"]
+    assert s["adaptive_over_best_held_out"] == pytest.approx(np.median([100 / 97, 100 / 96, 100 / 95]))
+
+
+def test_summary_held_out_pick_follows_a_majority_of_rounds():
+    # Faster in two rounds of three is not luck to the held-out pick: fixed:2 is picked every round.
+    runs = [_cell("off", [80, 80, 80]), _cell("fixed:2", [130, 100, 130]), _cell("fixed:3", [101, 101, 101]),
+            _cell("adaptive", [101, 101, 101])]
+    s, = _summary(runs, [8])
+    assert s["best_fixed"] == "fixed:2" and s["adaptive_over_best"] == pytest.approx(101 / 130)
+    assert s["held_out_picks"] == ["fixed:2"] * 3
+    assert s["adaptive_over_best_held_out"] == pytest.approx(101 / 130)
+
+
+def test_summary_held_out_keeps_a_real_loss():
+    # A baseline that is faster in every round stays the pick, and the ratio shows the loss.
+    runs = [_cell("off", [100, 96, 104]), _cell("fixed:1", [120, 115, 125]), _cell("adaptive", [100, 96, 104])]
+    s, = _summary(runs, [8])
+    assert s["held_out_picks"] == ["fixed:1"] * 3
+    assert s["adaptive_over_best_held_out"] == pytest.approx(np.median([100 / 120, 96 / 115, 104 / 125]))
+    assert s["adaptive_over_off"] == pytest.approx(1.0)
+
+
+def test_summary_held_out_needs_two_rounds():
+    s, = _summary([_cell("off", [80]), _cell("fixed:2", [90]), _cell("adaptive", [95])], [8])
+    assert s["adaptive_over_best_held_out"] is None and s["held_out_picks"] == []
+    assert s["adaptive_over_best"] == pytest.approx(95 / 90)
 
 
 # ------------------------------------------------------------------------------------------ prompts
