@@ -665,8 +665,8 @@ class Runtime:
         return max(0, min(k, room_new, room_ctx))
 
     def _draft(self, reqs: list[Request]):
-        """Run draft steps; returns ({request id: (tokens, probs: k rows [V], survival [k], corrected
-        survival [k])}, engine ms)."""
+        """Run draft steps; returns ({request id: (tokens, probs: k rows [V] for a sampling request, none
+        for a greedy one, survival [k], corrected survival [k])}, engine ms)."""
         caps = {r.id: self._draft_cap(r) for r in reqs}
         toks = {r.id: [] for r in reqs}
         probs = {r.id: [] for r in reqs}
@@ -719,17 +719,20 @@ class Runtime:
             outs, ms = self._run_draft(current, queries, [prev[r.id] for r in current], [k] * len(current))
             engine_ms += ms
             nxt, nq = [], []
+            # Plain lists: indexing numpy per request per call costs more than the bookkeeping itself.
+            drafted, survivals, dist = outs["draft_token"].tolist(), outs["survival"].tolist(), outs["draft_probs"]
             for i, r in enumerate(current):
+                rid = r.id
                 r.draft_len += len(queries[i])
-                t = int(outs["draft_token"][i])
-                toks[r.id].append(t)
-                probs[r.id].append(outs["draft_probs"][i])
-                s = float(outs["survival"][i])
-                surv[r.id].append(s)
-                cr = corr[r.id]
-                cr.append(SurvivalCorrection.corrected_next(shifts, k, prev[r.id], s, cr[-1] if cr else 1.0))
-                prev[r.id] = s
-                if len(toks[r.id]) < caps[r.id]:
+                t, s = drafted[i], survivals[i]
+                toks[rid].append(t)
+                if r.sampling:  # greedy acceptance never reads the draft's distribution
+                    probs[rid].append(dist[i])
+                surv[rid].append(s)
+                cr = corr[rid]
+                cr.append(SurvivalCorrection.corrected_next(shifts, k, prev[rid], s, cr[-1] if cr else 1.0))
+                prev[rid] = s
+                if len(toks[rid]) < caps[rid]:
                     nxt.append(r)
                     nq.append([t])
             keep = self._keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], corr, k + 1,
