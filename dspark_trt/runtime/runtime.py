@@ -133,8 +133,8 @@ class Runtime:
         self._overhead: dict[tuple[str, int], float] = {}
         self._overhead_n: dict[tuple[str, int], int] = {}
         self._priced_ms = 0.0  # this step's full time in the calls the cost model prices
-        self._draft_timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), see _draft
         self._switch_ms = 0.0  # ... and in feeding the draft text generated while it did not draft
+        self._draft_timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), see _draft
         # Measured check that speculating beats not speculating (spec_guard.py); None: trust the model.
         self.spec_guard: SpecGuard | None = SpecGuard()
         self._arm: str | None = None  # the guard's arm this step (None: the guard was not consulted)
