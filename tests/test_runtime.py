@@ -277,6 +277,40 @@ def test_step_overhead_is_read_at_the_load_it_was_measured_at(tiny_artifact):
         rt.close()
 
 
+def test_every_observed_draft_call_is_fed_to_the_draft_drift_after_the_steps_drafting(tiny_artifact):
+    """Each feed rebuilds the corrected draft table that the draft loop reads between calls, so a step's
+    draft timings are fed once its drafting is done; none is lost."""
+    from dspark_trt.runtime import runtime as runtime_mod
+
+    rt = Runtime.load(tiny_artifact, backend="ort")
+    events = []
+    run_draft, observe_draft = rt._run_draft, rt.cost.observe_draft
+
+    def traced_run(reqs, *args, observe=True):
+        out = run_draft(reqs, *args, observe=observe)
+        if observe and rt.metrics.steps % runtime_mod.OBSERVE_EVERY == 0:
+            events.append(("call", rt.metrics.steps, len(reqs)))
+        return out
+
+    def traced_observe(batch, ms):
+        events.append(("feed", rt.metrics.steps, batch))
+        return observe_draft(batch, ms)
+
+    rt._run_draft, rt.cost.observe_draft = traced_run, traced_observe
+    try:
+        before = rt.cost.drift()["draft"]["observations"]
+        rt.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, spec="fixed:3"))
+        calls = [e for e in events if e[0] == "call"]
+        feeds = [e for e in events if e[0] == "feed"]
+        assert calls and sorted((s, b) for _, s, b in calls) == sorted((s, b) for _, s, b in feeds)
+        for step in {s for _, s, _ in calls}:  # within a step, every feed after every call
+            kinds = [k for k, s, _ in events if s == step]
+            assert kinds == sorted(kinds)  # "call" < "feed"
+        assert rt.cost.drift()["draft"]["observations"] == before + len(feeds)
+    finally:
+        rt.close()
+
+
 def test_the_guard_runs_no_plain_trials_where_the_model_is_sure_drafting_pays(tiny_artifact):
     """Trials of plain decoding cost output; where the model says drafting wins by more than GUARD_SURE
     (low load) the measured guard is not consulted. Near a tie it is."""
