@@ -7,7 +7,16 @@ import numpy as np
 
 def pack_queries(queries: list[list[int]], past_lens: list[int], slots: list[int]) -> dict[str, np.ndarray]:
     """Packed feeds for N = sum(len(q)) new tokens from R requests (see models/decoder.py)."""
-    ql = np.fromiter((len(q) for q in queries), dtype=np.int64, count=len(queries))
+    R = len(queries)
+    if all(len(q) == 1 for q in queries):
+        # A drafting call after its first: one new token a request. The same feeds in a handful of numpy
+        # calls instead of a dozen (this runs several times a step, right after an engine call).
+        idx = np.arange(R, dtype=np.int64)
+        past = np.asarray(past_lens, dtype=np.int64)
+        return {"tokens": np.fromiter((q[0] for q in queries), dtype=np.int64, count=R), "positions": past.copy(),
+                "pack_index": idx.reshape(R, 1), "unpack_index": idx, "query_lens": np.ones(R, dtype=np.int64),
+                "past_lens": past, "slot_ids": np.asarray(slots, dtype=np.int64)}
+    ql = np.fromiter((len(q) for q in queries), dtype=np.int64, count=R)
     past = np.asarray(past_lens, dtype=np.int64)
     lq = int(ql.max())
     starts = np.cumsum(ql) - ql
