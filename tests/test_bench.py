@@ -184,7 +184,8 @@ def test_steady_window_needs_a_full_concurrency_stretch():
 
 
 def _cell(mode, rounds, c=8):
-    return {"mode": mode, "concurrency": c, "round_output_tok_s": list(rounds), "output_tok_s": float(np.median(rounds))}
+    return {"mode": mode, "concurrency": c, "round_output_tok_s": list(rounds),
+            "output_tok_s": float(np.median(rounds))}
 
 
 def test_summary_in_sample_best_is_the_luckiest_held_out_is_not():

@@ -434,9 +434,12 @@ def _held_out(ad: dict | None, baselines: list[dict]) -> tuple[float | None, lis
     n = len(ad["round_output_tok_s"]) if ad else 0
     if n < 2 or not baselines or any(len(r["round_output_tok_s"]) != n for r in baselines):
         return None, []
+    def others(r: dict, i: int) -> float:
+        return float(np.median([x for j, x in enumerate(r["round_output_tok_s"]) if j != i]))
+
     ratios, picks = [], []
     for i in range(n):
-        pick = max(baselines, key=lambda r: float(np.median([x for j, x in enumerate(r["round_output_tok_s"]) if j != i])))
+        pick = max(baselines, key=lambda r: others(r, i))
         if pick["round_output_tok_s"][i] > 0:
             ratios.append(ad["round_output_tok_s"][i] / pick["round_output_tok_s"][i])
             picks.append(pick["mode"])
@@ -515,7 +518,8 @@ def render_markdown(result: dict) -> str:
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
         L.append(f"| {s['concurrency']} | {_fmt(s['off_tok_s'])} | {s['best_fixed'] or '-'} | {_fmt(s['best_fixed_tok_s'])} "
                  f"| {_fmt(s['adaptive_tok_s'])} | {_fmt(s['adaptive_over_best'], '.3f')} | {spread} "
-                 f"| {_fmt(s.get('adaptive_over_best_held_out'), '.3f')} | {' '.join(s.get('held_out_picks') or []) or '-'} "
+                 f"| {_fmt(s.get('adaptive_over_best_held_out'), '.3f')} "
+                 f"| {' '.join(s.get('held_out_picks') or []) or '-'} "
                  f"| {_fmt(s['adaptive_over_off'], '.3f')} |")
     if result.get("peers"):
         L += ["", "## Peers at concurrency 1 (same prompts, same token counts; whole-run throughput for every row)", "",
