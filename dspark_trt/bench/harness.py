@@ -434,6 +434,7 @@ def _held_out(ad: dict | None, baselines: list[dict]) -> tuple[float | None, lis
     n = len(ad["round_output_tok_s"]) if ad else 0
     if n < 2 or not baselines or any(len(r["round_output_tok_s"]) != n for r in baselines):
         return None, []
+
     def others(r: dict, i: int) -> float:
         return float(np.median([x for j, x in enumerate(r["round_output_tok_s"]) if j != i]))
 

@@ -9,8 +9,9 @@ def pack_queries(queries: list[list[int]], past_lens: list[int], slots: list[int
     """Packed feeds for N = sum(len(q)) new tokens from R requests (see models/decoder.py)."""
     R = len(queries)
     if all(len(q) == 1 for q in queries):
-        # A drafting call after its first: one new token a request. The same feeds in a handful of numpy
-        # calls instead of a dozen (this runs several times a step, right after an engine call).
+        # One new token a request (a drafting call after its first, a plain decode step): the same feeds
+        # in a handful of numpy calls instead of a dozen (this runs several times a step, right after an
+        # engine call).
         idx = np.arange(R, dtype=np.int64)
         past = np.asarray(past_lens, dtype=np.int64)
         return {"tokens": np.fromiter((q[0] for q in queries), dtype=np.int64, count=R), "positions": past.copy(),

@@ -28,7 +28,7 @@ from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.prefill_batching import prefill_group_size, prefill_now
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.solver import cap_depth
-from dspark_trt.runtime.spec_guard import SpecGuard
+from dspark_trt.runtime.spec_guard import SpecGuard, load_bucket
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
 PREFILL_CHUNK = 256
@@ -488,7 +488,7 @@ class Runtime:
             # lazy imports) must not dominate for the next hundred. Probe steps (a few requests catching
             # up and drafting one token) are not what a drafting step costs.
             if not self._probing:
-                key = ("spec" if drafts else "plain", SpecGuard.bucket(nd))
+                key = ("spec" if drafts else "plain", load_bucket(nd))
                 n = self._overhead_n[key] = self._overhead_n.get(key, 0) + 1
                 old = self._overhead.get(key, 0.0)
                 unpriced = wall_ms - self._priced_ms - self._switch_ms
@@ -749,7 +749,7 @@ class Runtime:
         for batch, ms in self._draft_timings:
             self.cost.observe_draft(batch, ms)
         self._draft_timings.clear()
-        # probs stay a list of [V] rows (stacked into draft_probs only for sampling requests)
+        # probs stay a list of [V] rows (stacked into draft_probs by _run_target)
         out = {r.id: (toks[r.id], probs[r.id], np.asarray(surv[r.id], dtype=np.float32), corr[r.id])
                for r in reqs}
         for r in reqs:
@@ -864,7 +864,7 @@ class Runtime:
         this load: its own figure, else the nearest load's of the same kind, else the other kind's."""
         if not self._overhead:
             return 0.0
-        b = SpecGuard.bucket(n_decode)
+        b = load_bucket(n_decode)
         own = self._overhead.get((kind, b))
         if own is not None:
             return own

@@ -91,10 +91,6 @@ class SpecGuard:
         self._b: dict[int, _Bucket] = {}
 
     @staticmethod
-    def bucket(n_decode: int) -> int:
-        return load_bucket(n_decode)
-
-    @staticmethod
     def _preferred(b: _Bucket, model: str) -> tuple[str, float]:
         """The arm to run outside trials and its measured lead over the other (0 if unknown).
 
@@ -114,7 +110,7 @@ class SpecGuard:
 
     def arm(self, n_decode: int, model: str = "spec") -> str:
         """The arm to run this step ("spec" or "plain") for this load; `model` is the cost model's choice."""
-        b = self._b.setdefault(self.bucket(n_decode), _Bucket())
+        b = self._b.setdefault(load_bucket(n_decode), _Bucket())
         pref, gap = self._preferred(b, model)
         if b.trial is None:
             b.home = pref
@@ -131,7 +127,7 @@ class SpecGuard:
     def record(self, n_decode: int, arm: str, tokens: float, ms: float) -> None:
         """Feed back a step that ran `arm`: output tokens and the ms of its decode work (see the module
         docstring for what the runtime leaves out)."""
-        b = self._b.get(self.bucket(n_decode))
+        b = self._b.get(load_bucket(n_decode))
         if b is None or arm != b.arm or not (ms > 0 and tokens >= 0):
             return
         b.rate[arm].add(float(tokens), float(ms))
