@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_trt.bench.harness import (DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODES, DEFAULT_NUM_PROMPTS,
-                                      QUICK, _summary, apply_quick, parse_concurrency, parse_modes,
+                                      QUICK, _summary, apply_quick, median_interval, parse_concurrency, parse_modes,
                                       resolve_out_dir, steady_window, summarize_requests)
 from dspark_trt.bench.oracle import as_cost_fn, draft_batches, draft_cost, oracle_goodput, step_costs
 from dspark_trt.bench.prompts import corpus_prompts, file_prompts, prompt_budget, read_prompt_file
@@ -226,6 +226,39 @@ def test_summary_held_out_needs_two_rounds():
     assert s["adaptive_over_best"] == pytest.approx(95 / 90)
 
 
+def test_summary_held_out_interval_spans_the_rounds_and_says_its_coverage():
+    runs = [_cell("off", [100] * 5), _cell("fixed:1", [110, 120, 100, 115, 105]),
+            _cell("adaptive", [121, 108, 110, 115, 99])]
+    s, = _summary(runs, [8])
+    assert s["held_out_picks"] == ["fixed:1"] * 5
+    ratios = [121 / 110, 108 / 120, 110 / 100, 115 / 115, 99 / 105]
+    assert s["adaptive_over_best_held_out_rounds"] == pytest.approx(ratios)
+    assert s["adaptive_over_best_held_out_interval"] == pytest.approx([min(ratios), max(ratios)])
+    assert s["adaptive_over_best_held_out_coverage"] == pytest.approx(1 - 2 / 32)
+
+
+def test_median_interval_is_the_sign_test_interval():
+    # n = 10: the 2nd lowest to the 2nd highest covers 1 - 2 * 11/1024; the 3rd to the 8th would cover
+    # only 1 - 2 * 56/1024 = 0.89, below 0.9.
+    lo, hi, cov = median_interval(range(10, 0, -1))
+    assert (lo, hi) == (2, 9) and cov == pytest.approx(1 - 22 / 1024)
+    assert median_interval(range(10), level=0.8)[:2] == (2, 7)
+    # Too few values for the level: the whole range, with the coverage it really has.
+    assert median_interval([3, 1, 2]) == (1, 3, pytest.approx(0.75))
+    assert median_interval([1.0]) is None and median_interval([]) is None
+    assert median_interval([None, 2.0, 1.0]) == (1.0, 2.0, pytest.approx(0.5))
+
+
+def test_engine_drift_is_the_median_over_modes_of_fastest_over_slowest_round():
+    runs = [dict(_cell("off", [1, 1, 1]), round_engine_speed=[1.0, 0.8, 0.9]),
+            dict(_cell("fixed:1", [1, 1, 1]), round_engine_speed=[0.5, 0.6, 0.55]),
+            dict(_cell("fixed:2", [1, 1, 1]), round_engine_speed=[1.0, 1.0, 1.1]),
+            dict(_cell("adaptive", [1, 1, 1]), round_engine_speed=[])]
+    s, = _summary(runs, [8])
+    assert s["engine_drift"] == pytest.approx(1.2)
+    assert _summary([_cell("off", [1, 2]), _cell("adaptive", [1, 2])], [8])[0]["engine_drift"] is None
+
+
 # ------------------------------------------------------------------------------------------ prompts
 
 def _tok():
@@ -305,6 +338,7 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
         assert r["steady_state"] is True  # three requests per user: a full-concurrency stretch in every round
         assert len(r["round_output_tok_s"]) == len(r["round_output_tok_s_whole_run"]) == r["rounds"]
         assert r["output_tok_s"] == pytest.approx(float(np.median(r["round_output_tok_s"])))  # median of rounds
+        assert len(r["round_engine_speed"]) == 3 and all(x > 0 for x in r["round_engine_speed"])
         assert r["requests"] == 3 * max(3, 3 * r["concurrency"])  # 3 rounds of: every prompt, >= 3 waves a user
         assert len(r["acceptance_per_position"]) == 4
         assert r["greedy_match_off"] == 1.0  # greedy speculation is lossless
@@ -314,6 +348,10 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
             assert 0 < r["oracle_goodput_frac"] <= 1.0 and r["tau"] >= 1.0
     assert [s["concurrency"] for s in res["summary"]] == [1, 2, 8]
     assert all(s["adaptive_over_off"] > 0 for s in res["summary"])
+    for s in res["summary"]:  # three rounds: the interval is their whole range, 75% coverage
+        lo, hi = s["adaptive_over_best_held_out_interval"]
+        assert lo <= s["adaptive_over_best_held_out"] <= hi and s["adaptive_over_best_held_out_coverage"] == 0.75
+        assert s["engine_drift"] >= 1.0
     # Peers: transformers plain and assisted greedy decoding reproduce our `off` tokens exactly.
     peers = {p["mode"]: p for p in res["peers"]}
     assert set(peers) == {"hf:target", "hf:assisted"}

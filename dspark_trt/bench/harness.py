@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import shlex
@@ -119,6 +120,26 @@ def resolve_out_dir(out_dir, force: bool = False) -> tuple[Path, str | None]:
 def _pct(values, q: float):
     v = [x for x in values if x is not None]
     return float(np.percentile(v, q)) if v else None
+
+
+def median_interval(values, level: float = 0.9) -> tuple[float, float, float] | None:
+    """A distribution-free confidence interval for the median of ``values``' population: (lo, hi, coverage).
+
+    The k-th smallest and k-th largest values cover the median with probability 1 - 2 P(B <= k - 1),
+    B ~ Binomial(n, 1/2) (the sign test); k is the largest giving at least ``level``. With too few values
+    for ``level`` (n <= 4 at 0.9) it is the whole range, with the lower coverage it has. None for n < 2."""
+    v = sorted(float(x) for x in values if x is not None)
+    n = len(v)
+    if n < 2:
+        return None
+
+    def coverage(k: int) -> float:
+        return 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2 ** n
+
+    k = 1
+    while k + 1 <= n // 2 and coverage(k + 1) >= level:
+        k += 1
+    return v[k - 1], v[n - k], coverage(k)
 
 
 def summarize_requests(requests: list[dict], wall_s: float) -> dict:
@@ -400,7 +421,8 @@ def _summary(runs: list[dict], concurrency: list[int]) -> list[dict]:
         off = rows.get("off")
         ad = rows.get("adaptive")
         top = max([r for r in (off, best) if r is not None], key=lambda r: r["output_tok_s"], default=None)
-        held, picks = _held_out(ad, [r for r in (off, *fixed) if r is not None])
+        held, picks, held_rounds = _held_out(ad, [r for r in (off, *fixed) if r is not None])
+        interval = median_interval(held_rounds)
         out.append({
             "concurrency": c,
             "off_tok_s": off["output_tok_s"] if off else None,
@@ -411,6 +433,10 @@ def _summary(runs: list[dict], concurrency: list[int]) -> list[dict]:
             "adaptive_over_best_rounds": _paired(ad, top),
             "adaptive_over_best_held_out": held,
             "held_out_picks": picks,
+            "adaptive_over_best_held_out_rounds": held_rounds,
+            "adaptive_over_best_held_out_interval": list(interval[:2]) if interval else None,
+            "adaptive_over_best_held_out_coverage": interval[2] if interval else None,
+            "engine_drift": _engine_drift(rows.values()),
             "adaptive_over_off": ad["output_tok_s"] / off["output_tok_s"] if ad and off and off["output_tok_s"] else None,
         })
     return out
@@ -423,17 +449,26 @@ def _paired(a: dict | None, b: dict | None) -> list[float]:
     return [x / y for x, y in zip(a["round_output_tok_s"], b["round_output_tok_s"]) if y > 0]
 
 
-def _held_out(ad: dict | None, baselines: list[dict]) -> tuple[float | None, list[str]]:
+def _engine_drift(rows) -> float | None:
+    """How much the machine's speed moved between rounds: per mode, its fastest round's engine speed
+    (profiled cost of its engine calls / their measured time) over its slowest round's; the median over
+    modes. Same calls, same profile: what is left is the machine (on a shared CPU the same engine call
+    can run 1.5x slower for a second). Differences between modes much below it need many rounds to show."""
+    spreads = [max(v) / min(v) for r in rows if len(v := [x for x in r.get("round_engine_speed") or [] if x]) >= 2]
+    return float(np.median(spreads)) if spreads else None
+
+
+def _held_out(ad: dict | None, baselines: list[dict]) -> tuple[float | None, list[str], list[float]]:
     """Adaptive over the baseline a tuner would pick, judged on rounds it was not picked on.
 
     For each round: the baseline (off or a fixed K) with the highest median over the *other* rounds,
     and adaptive's throughput over that baseline's in this round; the median of those ratios. The
     in-sample ratio divides by the best of eight noisy medians, which overstates the best arm by about
     the noise (the winner's curse): with every arm equally fast it would put adaptive ~1-2 noise widths
-    below 1. None with fewer than two rounds."""
+    below 1. Returns (median, picks, the per-round ratios); (None, [], []) with fewer than two rounds."""
     n = len(ad["round_output_tok_s"]) if ad else 0
     if n < 2 or not baselines or any(len(r["round_output_tok_s"]) != n for r in baselines):
-        return None, []
+        return None, [], []
 
     def others(r: dict, i: int) -> float:
         return float(np.median([x for j, x in enumerate(r["round_output_tok_s"]) if j != i]))
@@ -444,7 +479,7 @@ def _held_out(ad: dict | None, baselines: list[dict]) -> tuple[float | None, lis
         if pick["round_output_tok_s"][i] > 0:
             ratios.append(ad["round_output_tok_s"][i] / pick["round_output_tok_s"][i])
             picks.append(pick["mode"])
-    return (float(np.median(ratios)) if ratios else None), picks
+    return (float(np.median(ratios)) if ratios else None), picks, ratios
 
 
 DEFINITIONS = """\
@@ -478,6 +513,14 @@ DEFINITIONS = """\
   baseline by about the noise (the winner's curse: with every mode equally fast it would still put
   adaptive a noise width or two below 1); the held-out ratio does not, but judges adaptive against a
   pick that may not be the truly best baseline where several are within noise. Needs 2 or more rounds.
+- **its interval**: a distribution-free confidence interval for the median of the per-round held-out
+  ratios (sign test: the k-th lowest to the k-th highest round, k as large as still covers 90%), with its
+  coverage; with 5 rounds it is the lowest to the highest round (94%), with 3 or 4 rounds it covers less
+  (75%, 88%). An interval that spans a threshold means the run cannot tell which side the mode is on.
+- **engine drift**: how much faster the same mode's engine calls ran in its fastest round than in its
+  slowest, measured against the profiled cost of the same calls (median over modes). The calls and the
+  profile are the same across rounds, so this is the machine: on a shared CPU the same engine call can
+  run 1.5x slower for a second at a time. Differences between modes well below it need many rounds.
 """
 
 
@@ -512,16 +555,16 @@ def render_markdown(result: dict) -> str:
                  f"| {_fmt(r.get('greedy_match_off'), '.0%')} |")
     L += ["", "## Adaptive vs. the alternatives", "",
           "| conc | off tok/s | best fixed | its tok/s | adaptive tok/s | adaptive / max(off, best fixed) "
-          "| per round | adaptive / held-out pick | picks | adaptive / off |",
-          "|---:|---:|---|---:|---:|---:|---|---:|---|---:|"]
+          "| per round | adaptive / held-out pick | its interval | picks | adaptive / off | engine drift |",
+          "|---:|---:|---|---:|---:|---:|---|---:|---|---|---:|---:|"]
     for s in result["summary"]:
         per_round = s.get("adaptive_over_best_rounds") or []
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
         L.append(f"| {s['concurrency']} | {_fmt(s['off_tok_s'])} | {s['best_fixed'] or '-'} | {_fmt(s['best_fixed_tok_s'])} "
                  f"| {_fmt(s['adaptive_tok_s'])} | {_fmt(s['adaptive_over_best'], '.3f')} | {spread} "
-                 f"| {_fmt(s.get('adaptive_over_best_held_out'), '.3f')} "
+                 f"| {_fmt(s.get('adaptive_over_best_held_out'), '.3f')} | {_interval(s)} "
                  f"| {' '.join(s.get('held_out_picks') or []) or '-'} "
-                 f"| {_fmt(s['adaptive_over_off'], '.3f')} |")
+                 f"| {_fmt(s['adaptive_over_off'], '.3f')} | {_drift(s.get('engine_drift'))} |")
     if result.get("peers"):
         L += ["", "## Peers at concurrency 1 (same prompts, same token counts; whole-run throughput for every row)", "",
               "| system | output tok/s | per-user tok/s p50 | TPOT ms | speed-up over transformers target | greedy = our off |",
@@ -538,18 +581,27 @@ def render_markdown(result: dict) -> str:
     return "\n".join(L)
 
 
+def _interval(s: dict) -> str:
+    iv, cov = s.get("adaptive_over_best_held_out_interval"), s.get("adaptive_over_best_held_out_coverage")
+    return f"{iv[0]:.2f}-{iv[1]:.2f} ({cov:.0%})" if iv and cov is not None else "-"
+
+
+def _drift(x) -> str:
+    return f"{x - 1:.0%}" if x is not None else "-"
+
+
 def readme_snippet(result: dict) -> str:
     env = result["env"]
     L = ["```bash", env["command"], "```", "",
          f"{env['cpu']}, backend {env['backend']}, {result['settings']['max_new_tokens']} new tokens per request, "
          f"temperature {result['settings']['temperature']:g}:", "",
          "| concurrency | off tok/s | best fixed K | adaptive tok/s | adaptive / best | adaptive / best, held out "
-         "| adaptive / off |",
-         "|---:|---:|---|---:|---:|---:|---:|"]
+         "| its interval | adaptive / off | engine drift |",
+         "|---:|---:|---|---:|---:|---:|---|---:|---:|"]
     for s in result["summary"]:
         L.append(f"| {s['concurrency']} | {_fmt(s['off_tok_s'])} | {s['best_fixed'] or '-'} | {_fmt(s['adaptive_tok_s'])} "
                  f"| {_fmt(s['adaptive_over_best'], '.2f')} | {_fmt(s.get('adaptive_over_best_held_out'), '.2f')} "
-                 f"| {_fmt(s['adaptive_over_off'], '.2f')} |")
+                 f"| {_interval(s)} | {_fmt(s['adaptive_over_off'], '.2f')} | {_drift(s.get('engine_drift'))} |")
     return "\n".join(L)
 
 
@@ -737,6 +789,7 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
         # one mode moves a sum of rounds by its whole size, the median little.
         row["output_tok_s"] = float(np.median(row["round_output_tok_s"]))
         row["round_output_tok_s_whole_run"] = whole
+        row["round_engine_speed"] = [_engine_speed(run["step_log"], cost) for run in runs] if cost is not None else []
         # The runtime's online survival recalibration after this cell (learned from every mode so far).
         row["survival_correction"] = runs[-1].get("survival_correction")
         row["greedy_match_off"] = None
@@ -749,6 +802,14 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
             row["greedy_match_off"] = same / total if total else None
         rows.append(row)
     return rows
+
+
+def _engine_speed(step_log: list[dict], cost) -> float | None:
+    """Profiled cost of a run's engine calls over their measured time (1.0: as fast as when profiled)."""
+    from dspark_trt.bench.oracle import oracle_goodput
+
+    measured = sum(r["draft_ms"] + r["target_ms"] for r in step_log)
+    return oracle_goodput(step_log, cost[0], cost[1])["actual_ms"] / measured if measured > 0 else None
 
 
 def _run_peers(manifest, prompts, max_new_tokens, temperature, seed, off_c1, bar) -> list[dict]:
