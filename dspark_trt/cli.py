@@ -183,7 +183,10 @@ def calibrate(target_dir, draft_dir, head_dir, data, report, max_draft, num_cont
               help="Small preset for smoke tests (under 3 minutes); replaces --concurrency/--modes/--num-prompts/"
                    "--max-new-tokens left at their defaults.")
 @click.option("--peers", is_flag=True, help="Also run HF transformers assisted generation at batch 1.")
-@click.option("--rounds", default=1, type=click.IntRange(1), help="Repeat every (mode, concurrency) run, modes rotated.")
+@click.option("--rounds", default=1, type=click.IntRange(1),
+              help="Repeat every (mode, concurrency) run, modes rotated. From 2 rounds adaptive / best gets a "
+                   "confidence interval (94% at 5); many rounds of two modes (--modes fixed:2,adaptive) "
+                   "resolve a close pair.")
 @click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
 def bench(artifact_dir, backend, concurrency, modes, num_prompts, max_new_tokens, temperature, seed, prompts_file,
           out_dir, quick, peers, rounds, force):
