@@ -189,6 +189,25 @@ def test_when_drafting_does_not_pay_only_a_few_requests_probe_now_and_then(tiny_
         rt.close()
 
 
+def test_the_draft_depth_plan_is_redone_every_plan_every_steps(tiny_artifact):
+    # A plan is cached per batch shape for PLAN_EVERY steps, then made again from the current profile
+    # and costs (it was once kept for good: the refresh test read the wrong field of the cache entry).
+    from dspark_trt.runtime import runtime as runtime_mod
+    from dspark_trt.runtime.cost_model import CostTable
+
+    rt = Runtime.load(tiny_artifact, profile="none")
+    try:
+        rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.arange(9, dtype=float) * 0.01)
+        first = rt._plan_draft_steps(1, 1)
+        assert first > 0  # drafts nearly free: drafting pays
+        rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.full(9, 1e4) * (np.arange(9) > 0))
+        plans = [rt._plan_draft_steps(1, 1) for _ in range(runtime_mod.PLAN_EVERY)]
+        assert plans[:-1] == [first] * (runtime_mod.PLAN_EVERY - 1)  # cached in between
+        assert plans[-1] == 0  # re-planned: drafts now cost 1000x a token
+    finally:
+        rt.close()
+
+
 def _shape_cost_table(coef):
     """A cost table whose call-shape model has these coefficients (call_shape.FEATURES)."""
     from dspark_trt.runtime.call_shape import features

@@ -597,8 +597,8 @@ class Runtime:
         if self.cost is None:
             return self.max_draft
         key = (n_adaptive, n_decode)
-        cached = self._plan_cache.get(key)
-        if cached is None or cached[1] <= 0:
+        cached = self._plan_cache.get(key)  # (best depth, spec/plain rate ratio, steps left to live)
+        if cached is None or cached[2] <= 0:
             cached = (*self._plan_draft_steps_now(n_adaptive, n_decode), PLAN_EVERY)
         best, self._spec_vs_plain, ttl = cached
         self._plan_cache[key] = (best, self._spec_vs_plain, ttl - 1)
