@@ -805,7 +805,8 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
 
 
 def _engine_speed(step_log: list[dict], cost) -> float | None:
-    """Profiled cost of a run's engine calls over their measured time (1.0: as fast as when profiled)."""
+    """Profiled cost of a run's engine calls over their measured time (1.0: as fast as when profiled): the
+    per-round form of the row's ``oracle["modelled_over_measured"]`` (run_metrics, over all rounds)."""
     from dspark_trt.bench.oracle import oracle_goodput
 
     measured = sum(r["draft_ms"] + r["target_ms"] for r in step_log)
