@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -143,7 +143,7 @@ class Runtime:
         self._probing = False  # this step's drafting is a probe (drafting did not pay)
         self._spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
         self._probes = 0
-        self._plan_cache: dict = {}
+        self._plan_cache: dict[tuple[int, int], _DepthPlan] = {}
         self._even_grid: dict = {}  # see _verify_table
         self._unverified_steps = 0
         self._past = 0  # longest past of this step's decoding requests (what the verify call attends over)
@@ -597,11 +597,11 @@ class Runtime:
         if self.cost is None:
             return self.max_draft
         key = (n_adaptive, n_decode)
-        cached = self._plan_cache.get(key)  # (best depth, spec/plain rate ratio, steps left to live)
-        if cached is None or cached[2] <= 0:
-            cached = (*self._plan_draft_steps_now(n_adaptive, n_decode), PLAN_EVERY)
-        best, self._spec_vs_plain, ttl = cached
-        self._plan_cache[key] = (best, self._spec_vs_plain, ttl - 1)
+        cached = self._plan_cache.get(key)
+        if cached is None or cached.steps_left <= 0:
+            cached = _DepthPlan(*self._plan_draft_steps_now(n_adaptive, n_decode), PLAN_EVERY)
+        best, self._spec_vs_plain = cached.depth, cached.spec_vs_plain
+        self._plan_cache[key] = cached._replace(steps_left=cached.steps_left - 1)
         if best == 0:
             # A probe is one step, not a plan: the plan stays "no drafting" between probes.
             self._since_probe += 1
@@ -971,6 +971,14 @@ class Runtime:
                 if r is not None and r.finished:
                     self.slots[i] = None
                     self.metrics.requests_finished += 1
+
+
+class _DepthPlan(NamedTuple):
+    """A cached draft-depth plan of one batch shape (Runtime._plan_draft_steps)."""
+
+    depth: int  # best draft depth by the cost model
+    spec_vs_plain: float  # its best drafting rate over its plain rate
+    steps_left: int  # steps it is used for before it is made again
 
 
 def _pad_rows(rows: list, width: int) -> np.ndarray:
