@@ -279,7 +279,9 @@ def test_tensorrt_engine_matches_reference(aot, tmp_path):
     trt = pytest.importorskip("tensorrt")
     onnx = pytest.importorskip("onnx")
     _needs_cuda()
-    import dspark_trt.plugins.tensorrt_plugins  # noqa: F401  (registers dspark::*)
+    from dspark_trt import trt_env
+
+    trt_env.load_plugins()  # registers dspark::* (both implementations: the node attribute `aot` picks)
     from onnx import TensorProto, helper
 
     from dspark_trt.plugins.onnx_functions import attach_functions
