@@ -389,3 +389,13 @@ def test_accept_kernels_read_nothing_without_rows(op):
     b, t = _sentinel_batch(np.array([1, 2]))
     empty = {k: (v[:0] if v.shape[0] == b["logits"].shape[0] else v) for k, v in t.items()}
     assert _run(op, empty, [5, -1]) == [[0, 0], [0, 0]]
+
+
+def test_interpreting_without_triton_knobs(monkeypatch):
+    """Triton < 3.4 has no triton.knobs: the TRITON_INTERPRET variable says the same."""
+    assert kernels.interpreting() == (DEVICE == "cpu")
+    monkeypatch.delattr(kernels.triton, "knobs")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernels.interpreting()
