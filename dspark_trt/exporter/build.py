@@ -1,8 +1,9 @@
 """`dspark-trt build DIR`: TensorRT engines for the draft and target graphs.
 
 `plan_build` says exactly what will be built and how, without TensorRT (`--dry-run` prints it);
-`build_engines` checks the environment, then hands each plan entry to `trt_builder` (the only module that
-imports tensorrt) and records the engine facts in the manifest.
+`build_engines` checks the environment (TensorRT, GPU and plugins come from `dspark_trt.trt_env`, the
+set-up the runtime backend shares), then hands each plan entry to `trt_builder` and records the engine
+facts in the manifest (AOT engines also the Triton version and PTX ISA of their kernels).
 
 Facts this relies on (notes/tensorrt.md):
 - TensorRT 11 builds strongly typed networks only (no FP16/BF16 builder flags); precision is the ONNX
@@ -10,7 +11,8 @@ Facts this relies on (notes/tensorrt.md):
 - dspark nodes carry plugin_namespace="dspark" and are imported as the Python plugins registered by
   `dspark_trt.plugins.tensorrt_plugins` (AOT: TensorRT >= 10.9; the network flag
   PREFER_AOT_PYTHON_PLUGINS / PREFER_JIT_PYTHON_PLUGINS picks the implementation). Without the plugin
-  module the parser imports the model-local function bodies instead.
+  module the parser imports the model-local function bodies instead; plugin mode "none" hands the parser
+  a copy without plugin_namespace, so it means the function bodies in any process.
 - Engines are tied to the TensorRT version and the GPU's compute capability; both are recorded.
 """
 
