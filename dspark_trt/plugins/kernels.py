@@ -9,7 +9,10 @@ launchers below, the TensorRT JIT plugin (``@trtp.impl``) and the AOT plugin (``
 * ``greedy_accept_kernel`` / ``sample_accept_kernel``: one program per request; the request offset is
   summed from ``verify_lens`` in BLOCK_R chunks (O(R) per program: negligible next to the O(V) row
   passes for any realistic R), the vocabulary is walked in BLOCK_V chunks, and the
-  draft rows are walked with a ``while`` loop that stops at the first rejection.
+  draft rows are walked with a ``while`` loop that stops at the first rejection. Offsets and draft
+  counts are clamped to the M packed rows (scalar ``M``): TensorRT runs plugins while timing tactics on
+  inputs of unspecified contents, and no ``verify_lens`` may then send a read out of bounds.
+* AOT PTX is emitted in a pinned PTX ISA (plugins/ptx.py), not the newest Triton's ptxas knows.
 
 Tests run these on CPU with the Triton interpreter. Interpretation is per process: ``TRITON_INTERPRET=1``
 must be set before ``triton`` is first imported (triton's own library functions are decorated then), so
