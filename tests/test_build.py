@@ -297,7 +297,6 @@ def test_without_plugin_namespace_strips_only_the_dspark_nodes(tmp_path):
 
 
 def test_build_engines_records_plugin_mode_and_aot_kernels(tmp_path, fresh_plugins, monkeypatch):
-    pytest.importorskip("triton")
     from dspark_trt import trt_env
 
     root = make_artifact(tmp_path / "art", draft=draft_model())

@@ -291,6 +291,11 @@ def aot_kernel_facts(compute_capability) -> dict:
 
 
 def triton_version() -> str:
-    import triton
+    """The installed Triton's version, read without importing it (importing triton fixes, for the whole
+    process, whether its kernels are interpreted)."""
+    from importlib import metadata
 
-    return str(triton.__version__)
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return "not installed"
