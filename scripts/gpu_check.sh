@@ -71,10 +71,14 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,compute_cap,driv
 missing() {  # the import names among "$@" that do not import
   for m in "$@"; do $PY -c "import $m" 2>/dev/null || echo "$m"; done
 }
+# An offline machine installs from a folder of wheels: GPU_CHECK_WHEELS=DIR (made elsewhere with
+# `pip download -d DIR onnxruntime onnx onnxscript tokenizers safetensors click tqdm` for its Python).
+PIP=("$PY" -m pip install)
+[[ -n "${GPU_CHECK_WHEELS:-}" ]] && PIP+=(--no-index --find-links "$GPU_CHECK_WHEELS")
 if [[ $MODE == gpu ]]; then
   if [[ -n "$(missing torch)" ]]; then
     log "no torch here: pip install torch (a CUDA build from the default index)"
-    $PY -m pip install torch || { log "cannot install torch"; exit 1; }
+    "${PIP[@]}" torch || log "cannot install torch: every stage will fail"
   fi
   declare -A SPEC=([numpy]="numpy>=1.24" [onnxruntime]="onnxruntime>=1.17" [tokenizers]="tokenizers>=0.15"
                    [safetensors]="safetensors>=0.4" [click]="click>=8.1" [tqdm]="tqdm>=4.60" [onnx]="onnx>=1.16"
@@ -83,14 +87,15 @@ if [[ $MODE == gpu ]]; then
   for m in $(missing "${!SPEC[@]}"); do NEED+=("${SPEC[$m]}"); done
   if [[ ${#NEED[@]} -gt 0 ]]; then
     log "installing ${NEED[*]}"
-    $PY -m pip install "${NEED[@]}" || { log "cannot install ${NEED[*]}"; exit 1; }
+    # one at a time: what installs is used, and the stages that need the rest fail with their own message
+    for req in "${NEED[@]}"; do "${PIP[@]}" "$req" || log "cannot install $req (offline? see GPU_CHECK_WHEELS)"; done
   fi
   if [[ -n "$(missing tensorrt)" && "${GPU_CHECK_INSTALL_TRT:-0}" == 1 ]]; then
     log "installing TensorRT (GPU_CHECK_INSTALL_TRT=1)"
     $PY -m pip install "tensorrt>=10.9" "polygraphy>=0.49" || log "TensorRT did not install: stage d skipped"
   fi
   $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
-      'available', torch.cuda.is_available(), '| triton', triton.__version__)"
+      'available', torch.cuda.is_available(), '| triton', triton.__version__)" || log "torch or triton missing"
   $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
     || { log "torch sees no CUDA GPU: run with --cpu-dry-run on a machine without one"; exit 1; }
   DEVICE=cuda
@@ -107,7 +112,7 @@ if [[ -z "$ARTIFACT" ]]; then
   log "exporting the bundled tiny pair to $ARTIFACT"
   $PY -m dspark_trt.cli export --target examples/models/stdlib-target --draft examples/models/stdlib-draft \
       --out "$ARTIFACT" --max-batch 32 --max-context 512 --force \
-    || { log "export FAILED"; exit 1; }
+    || { log "export FAILED: the stages that need the artifact will fail"; FAILED+=("export"); }
 fi
 
 # ------------------------------------------------------------------------------------------ stages
