@@ -49,6 +49,15 @@ def test_cpu_dry_run_runs_every_cpu_stage(tiny_artifact, tmp_path):
             assert plan["plugin_mode"] == mode
 
 
+def test_stages_share_a_time_budget(tiny_artifact, tmp_path):
+    env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_BUDGET_S="5")
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu-dry-run", "--artifact", str(tiny_artifact), "--out",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert proc.returncode == 1 and "stage kernels: not run, the 5s budget is spent" in log
+    assert "failed: kernels lossless timing" in log
+
+
 def test_lossless_stage_reports_a_difference(tiny_artifact, monkeypatch, capsys):
     """The lossless check can fail: a backend that changes one verified token is caught and located."""
     from dspark_trt.bench import gpu_check
