@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -13,7 +14,8 @@ from dspark_trt.errors import DsparkError
 from dspark_trt.exporter.build import NOT_INSTALLED, build_engines, plan_build
 from dspark_trt.manifest import Manifest
 from dspark_trt.runtime.engine_check import check_engine_compat, engine_path, needs_plugin_module, verify_engine_file
-from test_check import draft_model, make_artifact  # noqa: E402  (tests/ is on sys.path under pytest)
+import fake_tensorrt  # noqa: E402  (tests/ is on sys.path under pytest)
+from test_check import draft_model, make_artifact  # noqa: E402
 
 HAVE_TRT = importlib.util.find_spec("tensorrt") is not None
 
@@ -199,133 +201,121 @@ def test_build_engines_with_aot_plugins(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ builder code path
+# Against tests/fake_tensorrt.py: the TensorRT API as its sources define it (enum values per version, the
+# parser creating plugins for nodes with plugin_namespace, the creator refusing an UNKNOWN request).
+PLUGIN_MOD = "dspark_trt.plugins.tensorrt_plugins"
 
 
-class _FakeTrt:
-    """A stand-in passed explicitly to trt_builder.build_engine (never installed as `tensorrt`): it records the
-    documented TensorRT 10.9+/11 API calls the builder makes, so the code path is exercised without a GPU."""
+@pytest.fixture
+def fresh_plugins(monkeypatch):
+    """A fake tensorrt in sys.modules and the plugin module imported afresh against it (a TensorRT plugin
+    registry lives as long as its process; here as long as the fake)."""
 
-    __version__ = "11.0.0.1"
+    def install(version="10.9.0.34", **kw):
+        trt = fake_tensorrt.make(version, **kw)
+        fake_tensorrt.install(monkeypatch, trt)
+        sys.modules.pop(PLUGIN_MOD, None)
+        return trt
 
-    class NetworkDefinitionCreationFlag:
-        STRONGLY_TYPED = 1
-        PREFER_AOT_PYTHON_PLUGINS = 2
-        PREFER_JIT_PYTHON_PLUGINS = 3
-
-    class LayerType:
-        PLUGIN_V3 = "plugin_v3"
-        MATRIX_MULTIPLY = "mm"
-
-    class MemoryPoolType:
-        WORKSPACE = "workspace"
-
-    class BuilderFlag:
-        pass
-
-    class OnnxParserFlag:
-        pass
-
-    class Logger:
-        WARNING, VERBOSE = 2, 4
-
-        def __init__(self, level):
-            self.level = level
-
-    def __init__(self, parse_ok=True, build_ok=True, inputs=("input_ids", "conf_logits")):
-        self.calls = []
-        fake = self
-
-        class Tensor:
-            def __init__(self, name):
-                self.name, self.is_shape_tensor = name, False
-
-        class Layer:
-            def __init__(self, kind):
-                self.type = kind
-
-        class Network:
-            num_layers = 3
-
-            def __init__(self, flags):
-                fake.calls.append(("create_network", flags))
-                self.num_inputs = len(inputs)
-
-            def get_input(self, i):
-                return Tensor(inputs[i])
-
-            def get_layer(self, i):
-                return Layer("plugin_v3" if i == 0 else "mm")
-
-        class Profile:
-            def set_shape(self, name, mn, op, mx):
-                fake.calls.append(("set_shape", name, mn, op, mx))
-
-        class Config:
-            def set_memory_pool_limit(self, pool, limit):
-                fake.calls.append(("pool", pool, limit))
-
-            def add_optimization_profile(self, profile):
-                fake.calls.append(("add_profile",))
-
-        class Builder:
-            def __init__(self, logger):
-                pass
-
-            def create_network(self, flags):
-                return Network(flags)
-
-            def create_builder_config(self):
-                return Config()
-
-            def create_optimization_profile(self):
-                return Profile()
-
-            def build_serialized_network(self, network, config):
-                return b"serialized" if build_ok else None
-
-        class Parser:
-            num_errors = 0 if parse_ok else 1
-
-            def __init__(self, network, logger):
-                pass
-
-            def parse_from_file(self, path):
-                fake.calls.append(("parse", path))
-                return parse_ok
-
-            def get_error(self, i):
-                return "In node 3 (importFallbackPluginImporter): plugin not found\n  details"
-
-        self.Builder, self.OnnxParser = Builder, Parser
+    yield install
+    sys.modules.pop(PLUGIN_MOD, None)
 
 
-def test_trt_builder_code_path_against_fake_api(artifact):
+@pytest.mark.parametrize("version, flags", [("10.9.0.34", (1 << 1) | (1 << 3)),   # STRONGLY_TYPED=1, PREFER_AOT=3
+                                            ("11.1.0.4", (1 << 0) | (1 << 2))])   # 11.x: 0 and 2
+def test_trt_builder_code_path_against_fake_api(artifact, version, flags):
     from dspark_trt.exporter import trt_builder
 
     entry = plan_build(artifact)["graphs"]["draft"]
-    fake = _FakeTrt()
-    data, info = trt_builder.build_engine(fake, "draft", entry)
-    assert data == b"serialized" and info["plugin_layers"] == 1
-    assert ("create_network", (1 << 1) | (1 << 2)) in fake.calls
-    assert ("set_shape", "conf_logits", (1, 3), (2, 3), (4, 3)) in fake.calls
-    assert ("pool", "workspace", entry["memory_pool_limits"]["WORKSPACE"]) in fake.calls
+    trt = fake_tensorrt.make(version)
+    data, info = trt_builder.build_engine(trt, "draft", entry)
+    assert data == b"serialized" and info["plugin_layers"] == 0  # plugin module not loaded: function body
+    assert ("create_network", flags) in trt.calls
+    assert ("set_shape", "conf_logits", (1, 3), (2, 3), (4, 3)) in trt.calls
+    assert ("pool", "workspace", entry["memory_pool_limits"]["WORKSPACE"]) in trt.calls
 
-    with pytest.raises(DsparkError, match="could not parse .*plugin not found details: run `dspark-trt check`"):
-        trt_builder.build_engine(_FakeTrt(parse_ok=False), "draft", entry)
     with pytest.raises(DsparkError, match="failed to build the draft engine"):
-        trt_builder.build_engine(_FakeTrt(build_ok=False), "draft", entry)
+        trt_builder.build_engine(fake_tensorrt.make(version, build_ok=False), "draft", entry)
     with pytest.raises(DsparkError, match="'extra' has no optimisation profile"):
-        trt_builder.build_engine(_FakeTrt(inputs=("input_ids", "conf_logits", "extra")), "draft", entry)
+        trt_builder.build_engine(fake_tensorrt.make(version, inputs=("input_ids", "conf_logits", "extra")),
+                                 "draft", entry)
+
+
+def _plugin_layers(trt, graph_entry):
+    from dspark_trt.exporter import trt_builder
+
+    trt.calls.clear()
+    parsed = {}
+    real_parser = trt.OnnxParser
+
+    def spy(network, logger):
+        parsed["network"] = network
+        return real_parser(network, logger)
+
+    trt.OnnxParser = spy
+    try:
+        trt_builder.build_engine(trt, "draft", graph_entry)
+    finally:
+        trt.OnnxParser = real_parser
+    return [layer.what for layer in parsed["network"].layers if layer.type == "plugin_v3"]
+
+
+def test_plugin_modes_pick_the_implementation_or_the_function_body(tmp_path, fresh_plugins):
+    from dspark_trt import trt_env
+
+    root = make_artifact(tmp_path / "art", draft=draft_model())
+    trt = fresh_plugins()
+    trt_env.load_plugins(("aot", "jit"))  # this process has both (an AOT build, then a JIT one)
+    assert _plugin_layers(trt, plan_build(root, plugin_mode="aot")["graphs"]["draft"]) == [("dspark::Survival", "aot")]
+    assert _plugin_layers(trt, plan_build(root, plugin_mode="jit")["graphs"]["draft"]) == [("dspark::Survival", "jit")]
+    # "none" means the function bodies, even with the plugins registered
+    none = plan_build(root, plugin_mode="none")["graphs"]["draft"]
+    assert none["strip_plugin_namespace"] and "PREFER_AOT_PYTHON_PLUGINS" not in none["network_flags"]
+    assert _plugin_layers(trt, none) == []
+    assert ("parse", none["onnx"]) in trt.calls  # external weights resolve next to the original file
+
+    # what "none" did before: the parser creates the plugin with an UNKNOWN request, which fails
+    from dspark_trt.exporter import trt_builder
+
+    with pytest.raises(DsparkError, match="has both AOT and JIT implementations"):
+        trt_builder.build_engine(trt, "draft", dict(none, strip_plugin_namespace=False))
+
+
+def test_without_plugin_namespace_strips_only_the_dspark_nodes(tmp_path):
+    import onnx
+
+    from dspark_trt.exporter.trt_builder import without_plugin_namespace
+
+    model = draft_model()
+    model.graph.node[0].attribute.extend([onnx.helper.make_attribute("plugin_namespace", "other")])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    out = onnx.load_from_string(without_plugin_namespace(path))
+    attrs = {n.name: [a.name for a in n.attribute] for n in out.graph.node}
+    assert attrs["survival"] == [] and attrs["embed"] == ["plugin_namespace"]
+    assert [f.name for f in out.functions] == ["Survival"]
+
+
+def test_build_engines_records_plugin_mode_and_aot_kernels(tmp_path, fresh_plugins, monkeypatch):
+    from dspark_trt import trt_env
+
+    root = make_artifact(tmp_path / "art", draft=draft_model())
+    fresh_plugins("11.1.0.4")
+    monkeypatch.setattr(trt_env, "detect_gpu", lambda device=0: trt_env.GpuInfo("NVIDIA H200", "9.0"))
+    build_engines(root, plugin_mode="aot")
+    entry = Manifest.load(root).engines["draft"]
+    assert entry["plugin_mode"] == "aot" and entry["plugin_layers"] == 1 and entry["tensorrt_version"] == "11.1.0.4"
+    assert entry["aot_kernels"]["ptx_isa"] == "8.0" and entry["aot_kernels"]["compiler"].startswith("triton ")
+    assert sys.modules[PLUGIN_MOD].registered_impls() == {"aot"}  # an AOT build registers AOT only
+
+    build_engines(root, plugin_mode="jit")
+    entry = Manifest.load(root).engines["draft"]
+    assert entry["plugin_mode"] == "jit" and "aot_kernels" not in entry
 
 
 def test_trt_builder_reports_missing_gpu(artifact):
     from dspark_trt.exporter import trt_builder
 
-    fake = _FakeTrt()
-
-    def no_cuda(logger):
-        raise TypeError("pybind11::init(): factory function returned nullptr")
-
-    fake.Builder = no_cuda
-    with pytest.raises(DsparkError, match="needs an NVIDIA GPU.*could not initialise CUDA"):
-        trt_builder.build_engine(fake, "draft", plan_build(artifact)["graphs"]["draft"])
+    with pytest.raises(DsparkError, match=r"needs an NVIDIA GPU.*could not initialise CUDA \(error 35, "
+                                          r"cudaErrorInsufficientDriver"):
+        trt_builder.build_engine(fake_tensorrt.make(gpu=False), "draft", plan_build(artifact)["graphs"]["draft"])

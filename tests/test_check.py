@@ -255,6 +255,35 @@ def test_standard_op_name_in_dspark_domain_reported(tmp_path):
     assert _has(check_artifacts(root).problems, "standard ONNX op name 'Softmax'")
 
 
+def _with_plugin_attrs(**attrs) -> onnx.ModelProto:
+    model = draft_model()
+    model.graph.node[3].attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+    return model
+
+
+def test_plugin_attributes_the_parser_takes_pass(tmp_path):
+    """onnx-tensorrt turns FLOAT, INT, STRING, FLOATS, INTS, STRINGS and TENSOR (float/int8-32/string/half/
+    bf16/double) attributes into plugin fields: none of them is a problem."""
+    ok = {"mode": b"fast", "names": [b"a", b"b"], "weights": helper.make_tensor("w", TensorProto.FLOAT, [2], [1, 2]),
+          "ids": helper.make_tensor("i", TensorProto.INT32, [1], [3]), "scale": 0.5, "steps": [1, 2]}
+    report = check_artifacts(make_artifact(tmp_path / "a", draft=_with_plugin_attrs(**ok)))
+    assert not [p for p in report.problems if "plugin importer" in p], report.problems
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.INT64, TensorProto.BOOL, TensorProto.UINT8, TensorProto.UINT32,
+                                   TensorProto.COMPLEX64])
+def test_plugin_tensor_attributes_the_parser_rejects_reported(tmp_path, dtype):
+    bad = helper.make_tensor("t", dtype, [1], [1])
+    report = check_artifacts(make_artifact(tmp_path / "a", draft=_with_plugin_attrs(table=bad)))
+    assert _has(report.problems, "attribute table", "tensor", "plugin importer takes tensors of")
+
+
+def test_plugin_graph_attribute_reported(tmp_path):
+    sub = helper.make_graph([], "g", [], [])
+    report = check_artifacts(make_artifact(tmp_path / "a", draft=_with_plugin_attrs(body=sub)))
+    assert _has(report.problems, "attribute body has type GRAPH", "plugin importer takes only")
+
+
 def test_tampered_file_hash_reported(artifact):
     data = bytearray((artifact / "target.onnx").read_bytes())
     data[-1] ^= 0xFF

@@ -3,7 +3,6 @@
 import importlib
 import subprocess
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -141,71 +140,84 @@ def test_tensorrt_plugins_without_tensorrt_raises_clear_error(monkeypatch):
         pytest.importorskip("dspark_trt.plugins.tensorrt_plugins")
 
 
-# ----------------------------------------------------------------- TensorRT registration vs. a stub
-class _Expr:
-    """Stands in for trtp.ShapeExpr: here just an int."""
-
-    def __init__(self, v):
-        self.constant_value, self.is_constant = v, True
+# ------------------------------------------------------- TensorRT registration vs. tests/fake_tensorrt.py
+PLUGIN_MOD = "dspark_trt.plugins.tensorrt_plugins"
 
 
-class _Desc:
-    def __init__(self, shape, dtype):
-        self.shape_expr, self.ndim, self.dtype = list(shape), len(shape), dtype
+@pytest.fixture
+def plugins(monkeypatch):
+    """The plugin module imported against a fresh fake TensorRT 10.9 (see tests/fake_tensorrt.py)."""
+    import fake_tensorrt
+
+    trt = fake_tensorrt.make("10.9.0.34")
+    fake_tensorrt.install(monkeypatch, trt)
+    sys.modules.pop(PLUGIN_MOD, None)
+    yield importlib.import_module(PLUGIN_MOD), trt
+    sys.modules.pop(PLUGIN_MOD, None)
 
 
-def _stub_tensorrt():
-    trt = types.ModuleType("tensorrt")
-    trt.__version__ = "10.99-stub"
-    for name in ("float32", "float16", "bfloat16", "int64", "int32"):
-        setattr(trt, name, f"DataType.{name}")
-    trtp = types.ModuleType("tensorrt.plugin")
-    trtp.registry = {}
+def test_registration_against_the_plugin_api(plugins):
+    mod, trt = plugins
+    Desc = trt.plugin.TensorDesc
+    assert trt.plugin.QDP_REGISTRY == {}  # importing registers nothing
+    assert mod.register(["jit"]) == {"jit"}
+    reg = trt.plugin.QDP_REGISTRY
+    assert sorted(reg) == sorted(mod.REGISTERED) == sorted(op.plugin_id for op in spec.OPS.values())
+    assert all(d.impl_func and d.autotune_func and d.aot_impl_func is None for d in reg.values())
+    assert mod.register(["aot", "jit"]) == {"aot", "jit"} and mod.register(["jit"]) == {"aot", "jit"}  # idempotent
+    assert all(d.aot_impl_func for d in reg.values())
+    with pytest.raises(DsparkError, match="unknown dspark plugin implementation"):
+        mod.register(["cuda"])
 
-    def deco(kind):
-        def outer(plugin_id):
-            def inner(fn):
-                trtp.registry[(kind, plugin_id)] = fn
-                return fn
-            return inner
-        return outer
-
-    for kind in ("register", "impl", "autotune", "aot_impl"):
-        setattr(trtp, kind, deco(kind))
-    trtp.TensorDesc, trtp.Tensor = _Desc, object
-    trtp.SymExprs = trtp.KernelLaunchParams = object
-    trtp.AutoTuneCombination = lambda io_types: ("combo", io_types)
-    trtp.from_shape_expr = lambda shape, dtype: _Desc(shape, dtype)
-    trt.plugin = trtp
-    return trt, trtp
+    out = reg["dspark::Survival"].register_func(Desc((5, 3), trt.float16), Desc((5,), trt.float32),
+                                                Desc((5,), trt.int64), np.ones(2, np.float32))
+    assert [e.constant_value() for e in out.shape_expr] == [5, 3] and out.dtype == trt.float32
+    acc, nxt = reg["dspark::SampleAccept"].register_func(*[Desc(s, trt.float32) for s in
+                                                           [(12, 100), (12, 100), (12,), (4,), (4,), (12,), (4,)]])
+    assert [e.constant_value() for e in acc.shape_expr] == [4] and acc.dtype == nxt.dtype == trt.int64
+    tune = reg["dspark::GreedyAccept"].autotune_func(None, None, None, None)
+    assert [c[1] for c in tune] == spec.plugin_type_combinations("GreedyAccept")
+    assert mod._input_dtypes("Survival", Desc((1, 1), trt.bfloat16), Desc((1,), trt.float32),
+                             Desc((1,), trt.int64)) == {"logits": "bfloat16", "prev": "float32", "start": "int64"}
 
 
-def test_tensorrt_registration_against_stub(monkeypatch):
-    trt, trtp = _stub_tensorrt()
-    monkeypatch.setitem(sys.modules, "tensorrt", trt)
-    monkeypatch.setitem(sys.modules, "tensorrt.plugin", trtp)
-    monkeypatch.delitem(sys.modules, "dspark_trt.plugins.tensorrt_plugins", raising=False)
-    try:
-        mod = importlib.import_module("dspark_trt.plugins.tensorrt_plugins")
-        assert mod.HAS_AOT and mod.REGISTERED == ("dspark::Survival", "dspark::GreedyAccept", "dspark::SampleAccept")
-        for op in spec.OPS.values():
-            for kind in ("register", "impl", "autotune", "aot_impl"):
-                assert (kind, op.plugin_id) in trtp.registry, (kind, op.plugin_id)
-        reg = {pid: fn for (kind, pid), fn in trtp.registry.items() if kind == "register"}
-        out = reg["dspark::Survival"](_Desc((5, 3), trt.float16), _Desc((5,), trt.float32),
-                                      _Desc((5,), trt.int64), np.ones(2, np.float32))
-        assert out.shape_expr == [5, 3] and out.dtype == trt.float32
-        acc, nxt = reg["dspark::SampleAccept"](*[_Desc(s, trt.float32) for s in
-                                                 [(12, 100), (12, 100), (12,), (4,), (4,), (12,), (4,)]])
-        assert acc.shape_expr == [4] and nxt.shape_expr == [4] and acc.dtype == nxt.dtype == trt.int64
-        acc, nxt = reg["dspark::GreedyAccept"](_Desc((12, 100), trt.float32), _Desc((12,), trt.int64),
-                                               _Desc((3,), trt.int64))
-        assert acc.shape_expr == [3] and nxt.dtype == trt.int64
-        tune = trtp.registry[("autotune", "dspark::GreedyAccept")](None, None, None, None)
-        assert [c[1] for c in tune] == spec.plugin_type_combinations("GreedyAccept")
-        assert mod._input_dtypes("Survival", _Desc((1, 1), trt.bfloat16), _Desc((1,), trt.float32),
-                                 _Desc((1,), trt.int64)) == {"logits": "bfloat16", "prev": "float32",
-                                                             "start": "int64"}
-        assert mod._static(_Expr(32000)) == 32000 and mod._static(object()) is None
-    finally:
-        sys.modules.pop("dspark_trt.plugins.tensorrt_plugins", None)
+def test_jit_only_registration_builds_jit_for_any_request(plugins):
+    """A process loading JIT engines registers "jit" only: whatever creation request TensorRT passes at
+    deserialization (UNKNOWN included), the creator builds the JIT plugin."""
+    mod, trt = plugins
+    mod.register(["jit"])
+    Q = trt.QuickPluginCreationRequest
+    for req in (None, Q.UNKNOWN, Q.PREFER_JIT, Q.PREFER_AOT, Q.STRICT_JIT):
+        assert trt.plugin.create_plugin("dspark::GreedyAccept", req) == "jit"
+    mod.register(["aot"])  # both: an UNKNOWN request is refused, as TensorRT's creator does
+    with pytest.raises(ValueError, match="both AOT and JIT"):
+        trt.plugin.create_plugin("dspark::GreedyAccept", Q.UNKNOWN)
+
+
+def test_static_reads_constant_value_as_the_method_it_is(plugins):
+    mod, trt = plugins
+    E = trt.plugin.ShapeExpr
+    assert mod._static(E(32000)) == 32000 and mod._static(7) == 7
+    assert mod._static(E(None)) is None  # symbolic: constant_value() would raise
+    assert mod._static(E(None, fake=True)) is None  # fake: is_constant itself raises
+    assert mod._static(object()) is None
+
+
+def test_bfloat16_tensors_reach_torch_without_cuda_array_interface(plugins):
+    """trtp.Tensor.__cuda_array_interface__ raises for BF16; the JIT path reads such buffers as int16 and
+    views them back. Checked on host memory with the same descriptor (numpy reads __array_interface__)."""
+    torch = pytest.importorskip("torch")
+    mod, trt = plugins
+    src = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(torch.bfloat16) / 3
+    t = trt.plugin.Tensor(src.data_ptr(), (3, 4), trt.bfloat16)
+    with pytest.raises(ValueError, match="not supported"):
+        t.__cuda_array_interface__
+    desc = mod._RawCuda(t, mod._RAW_VIEWS[trt.bfloat16][0]).__cuda_array_interface__
+    assert desc["typestr"] == "<i2" and desc["strides"] == (8, 2) and desc["data"][0] == src.data_ptr()
+
+    class Host:
+        __array_interface__ = desc
+
+    back = torch.from_numpy(np.asarray(Host()).copy()).view(getattr(torch, mod._RAW_VIEWS[trt.bfloat16][1]))
+    assert torch.equal(back, src)
+    assert trt.float32 not in mod._RAW_VIEWS  # other dtypes keep TensorRT's own interface

@@ -129,7 +129,7 @@ def test_launchers_check_the_packed_layout():
 # --------------------------------------------------------------------------- AOT (PTX for TensorRT)
 AOT_SCRIPT = textwrap.dedent("""
     import json, sys
-    from dspark_trt.plugins import kernels
+    from dspark_trt.plugins import kernels, ptx
     out = {}
     for op, kw in [("Survival", dict(temperatures=[0.5, 1.0, 2.0])),
                    ("GreedyAccept", dict(vocab=32000)),
@@ -139,7 +139,9 @@ AOT_SCRIPT = textwrap.dedent("""
         layout = kernels.AOT_LAYOUT[op][1]
         out[op] = dict(name=ck.name, params=len(kernels.ptx_entry_params(ck.ptx, ck.name)),
                        visible=len(layout), scalars=list(ck.scalars), warps=ck.num_warps,
-                       version=".version" in ck.ptx, target=".target sm_80" in ck.ptx)
+                       version=ptx.ptx_version_of(ck.ptx), target=".target sm_80" in ck.ptx)
+    out["blackwell_isa"] = ptx.ptx_version_of(kernels.compile_ptx("GreedyAccept", vocab=64,
+                                                                  target=("cuda", 100, 32)).ptx)
 
     # the TensorRT AOT glue, against a minimal stand-in for tensorrt.plugin (the real one needs a GPU)
     import functools, types
@@ -163,7 +165,9 @@ AOT_SCRIPT = textwrap.dedent("""
     trt.plugin = trtp
     sys.modules["tensorrt"], sys.modules["tensorrt.plugin"] = trt, trtp
     kernels.compile_ptx = functools.partial(kernels.compile_ptx, target=("cuda", 80, 32))
-    import dspark_trt.plugins.tensorrt_plugins  # noqa: F401
+    import dspark_trt.plugins.tensorrt_plugins as plugins
+    plugins.register(["aot"])
+    assert ("impl", "dspark::SampleAccept") not in reg  # only what was asked for
     name, ptx, params, extra = reg[("aot_impl", "dspark::SampleAccept")](
         Desc((12, 300), "float16"), Desc((12, 300), "float32"), Desc((12,), "int64"), Desc((4,), "int64"),
         Desc((4,), "float32"), Desc((12,), "float32"), Desc((4,), "float32"), None, 0)
@@ -188,16 +192,18 @@ def test_kernels_compile_to_ptx_for_tensorrt_aot():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert result["Survival"]["scalars"] == ["R", "J"]
-    assert result["GreedyAccept"]["scalars"] == result["SampleAccept"]["scalars"] == ["R", "V"]
+    assert result["GreedyAccept"]["scalars"] == result["SampleAccept"]["scalars"] == ["R", "M", "V"]
     # the AOT plugin glue: grid = R, block = warps * 32, extra args = int32 (R, V) / (R, J) from shapes
     sample, surv = result.pop("aot_sample"), result.pop("aot_survival")
     assert sample["name"] == "sample_accept_kernel" and sample["grid"] == 4 and sample["fp16"]
-    assert sample["extra"] == [["i32", 4], ["i32", 300]] and sample["block"] % 32 == 0
+    assert sample["extra"] == [["i32", 4], ["i32", 12], ["i32", 300]] and sample["block"] % 32 == 0
     assert surv["grid"] == 6 and surv["extra"] == [["i32", 6], ["i32", 1]] and surv["block"] == 32
     assert surv["temps"]  # temperatures 0.5 and 2.0 are baked into the PTX as constants
+    # PTX ISA pinned (plugins/ptx.py): 8.0 for Ampere/Hopper, whatever Triton's ptxas knows; Blackwell 8.6
+    assert result.pop("blackwell_isa") == "8.6"
     for op, r in result.items():
         assert r["params"] == r["visible"], (op, r)
-        assert r["version"] and r["target"], (op, r)
+        assert r["version"] == "8.0" and r["target"], (op, r)
 
 
 def test_strip_hidden_params():
@@ -222,7 +228,7 @@ def test_aot_signature_follows_the_tensorrt_argument_order():
         kinds = [k for k, _ in layout]
         assert kinds == sorted(kinds, key=["in", "scalar", "out"].index)  # inputs, extra args, outputs
     sig = kernels.aot_signature("SampleAccept", {"logits": "float16"})
-    assert list(sig.values()) == ["*fp16", "*fp32", "*i64", "*i64", "*fp32", "*fp32", "*fp32", "i32", "i32",
+    assert list(sig.values()) == ["*fp16", "*fp32", "*i64", "*i64", "*fp32", "*fp32", "*fp32", "i32", "i32", "i32",
                                   "*i64", "*i64", "constexpr", "constexpr"]
     sig = kernels.aot_signature("Survival")
     assert list(sig.values()) == ["*fp32", "*fp32", "*i64", "i32", "i32", "*fp32", "constexpr", "constexpr",
@@ -273,7 +279,9 @@ def test_tensorrt_engine_matches_reference(aot, tmp_path):
     trt = pytest.importorskip("tensorrt")
     onnx = pytest.importorskip("onnx")
     _needs_cuda()
-    import dspark_trt.plugins.tensorrt_plugins  # noqa: F401  (registers dspark::*)
+    from dspark_trt import trt_env
+
+    trt_env.load_plugins()  # registers dspark::* (both implementations: the node attribute `aot` picks)
     from onnx import TensorProto, helper
 
     from dspark_trt.plugins.onnx_functions import attach_functions
@@ -312,3 +320,82 @@ def test_tensorrt_engine_matches_reference(aot, tmp_path):
     assert ctx.execute_async_v3(stream.cuda_stream)
     stream.synchronize()
     assert as_lists(outs["accepted"], outs["next_token"]) == [e.tolist() for e in ref.sample_accept(**b)]
+
+
+# -------------------------------------------------------------- bounds: garbage verify_lens (autotuning)
+GUARD = 3
+
+
+def _guarded(a: np.ndarray, fill) -> torch.Tensor:
+    """`a` as a view into a buffer with GUARD rows of `fill` before and after it: a read outside `a`'s rows
+    sees `fill`, which the test below can recognise in the outputs."""
+    big = np.empty((a.shape[0] + 2 * GUARD, *a.shape[1:]), dtype=a.dtype)
+    big[:] = fill
+    big[GUARD:GUARD + a.shape[0]] = a
+    return torch.from_numpy(big).to(DEVICE)[GUARD:GUARD + a.shape[0]]
+
+
+def _sentinel_batch(lens, vocab=40):
+    """A packed batch whose last vocabulary column (the sentinel) never wins in a real row, and always wins
+    (logits +1e30, draft probability 1) in the guard rows around it."""
+    b = ref.random_accept_batch(np.random.default_rng(7), lens, vocab, temperature=0.8, match_prob=0.9)
+    b["logits"][:, -1] = -1e30
+    b = ref.redraw_near_boundaries(b, np.random.default_rng(8), tol=TOL)
+    onehot = np.zeros(vocab, np.float32)
+    onehot[-1] = 1.0
+    rows = {"logits": 1e30 * onehot, "draft_probs": onehot, "draft_tokens": vocab - 1, "accept_uniforms": 0.0}
+    t = {k: (_guarded(v, rows[k]) if k in rows else torch.from_numpy(v).to(DEVICE)) for k, v in b.items()}
+    return b, t
+
+
+def _run(op, t, lens):
+    t = dict(t, verify_lens=torch.as_tensor(lens, dtype=torch.int64, device=DEVICE))
+    if op == "greedy":
+        out = kernels.greedy_accept(t["logits"], t["draft_tokens"], t["verify_lens"], check=False)
+    else:
+        out = kernels.sample_accept(**t, check=False)
+    return as_lists(*out)
+
+
+@pytest.mark.parametrize("op", ["greedy", "sample"])
+def test_accept_kernels_stay_in_bounds_on_garbage_lengths(op):
+    """TensorRT runs plugins while autotuning on inputs whose contents it does not specify: any int64
+    verify_lens must keep every read inside the packed rows, and requests before a garbage length keep
+    their exact results."""
+    lens = np.array([2, 0, 3, 1])
+    b, t = _sentinel_batch(lens)
+    rows, vocab = b["logits"].shape
+    if op == "greedy":
+        want = [e.tolist() for e in ref.greedy_accept(b["logits"], b["draft_tokens"], b["verify_lens"])]
+    else:
+        want = [e.tolist() for e in ref.sample_accept(**b)]
+    assert _run(op, t, lens) == want
+
+    i64 = np.iinfo(np.int64)
+    garbage = [np.array([2, 0, 3, 1 << 40]), np.array([2, 0, 3, -7]), np.array([-5, 1 << 62, -(1 << 62), 7]),
+               np.array([i64.max, i64.min, i64.max, i64.max]),
+               np.random.default_rng(3).integers(i64.min, i64.max, 4, dtype=np.int64)]
+    for g in garbage:
+        acc, nxt = _run(op, t, g)
+        assert all(0 <= a < rows for a in acc), (g, acc)
+        assert all(0 <= x < vocab - 1 for x in nxt), (g, nxt)  # the sentinel column: a guard row was read
+    for g in garbage[:2]:  # only the last length is garbage: the first three requests are untouched
+        acc, nxt = _run(op, t, g)
+        assert acc[:3] == want[0][:3] and nxt[:3] == want[1][:3]
+
+
+@pytest.mark.parametrize("op", ["greedy", "sample"])
+def test_accept_kernels_read_nothing_without_rows(op):
+    b, t = _sentinel_batch(np.array([1, 2]))
+    empty = {k: (v[:0] if v.shape[0] == b["logits"].shape[0] else v) for k, v in t.items()}
+    assert _run(op, empty, [5, -1]) == [[0, 0], [0, 0]]
+
+
+def test_interpreting_without_triton_knobs(monkeypatch):
+    """Triton < 3.4 has no triton.knobs: the TRITON_INTERPRET variable says the same."""
+    assert kernels.interpreting() == (DEVICE == "cpu")
+    monkeypatch.delattr(kernels.triton, "knobs")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert kernels.interpreting()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not kernels.interpreting()

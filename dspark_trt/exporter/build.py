@@ -1,8 +1,9 @@
 """`dspark-trt build DIR`: TensorRT engines for the draft and target graphs.
 
 `plan_build` says exactly what will be built and how, without TensorRT (`--dry-run` prints it);
-`build_engines` checks the environment, then hands each plan entry to `trt_builder` (the only module that
-imports tensorrt) and records the engine facts in the manifest.
+`build_engines` checks the environment (TensorRT, GPU and plugins come from `dspark_trt.trt_env`, the
+set-up the runtime backend shares), then hands each plan entry to `trt_builder` and records the engine
+facts in the manifest (AOT engines also the Triton version and PTX ISA of their kernels).
 
 Facts this relies on (notes/tensorrt.md):
 - TensorRT 11 builds strongly typed networks only (no FP16/BF16 builder flags); precision is the ONNX
@@ -10,7 +11,8 @@ Facts this relies on (notes/tensorrt.md):
 - dspark nodes carry plugin_namespace="dspark" and are imported as the Python plugins registered by
   `dspark_trt.plugins.tensorrt_plugins` (AOT: TensorRT >= 10.9; the network flag
   PREFER_AOT_PYTHON_PLUGINS / PREFER_JIT_PYTHON_PLUGINS picks the implementation). Without the plugin
-  module the parser imports the model-local function bodies instead.
+  module the parser imports the model-local function bodies instead; plugin mode "none" hands the parser
+  a copy without plugin_namespace, so it means the function bodies in any process.
 - Engines are tied to the TensorRT version and the GPU's compute capability; both are recorded.
 """
 
@@ -18,14 +20,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dspark_trt import trt_env
 from dspark_trt.errors import DsparkError
 from dspark_trt.manifest import GRAPHS, MODEL_DTYPE_TO_ONNX, Manifest, now_iso, sha256_file, write_atomic
+from dspark_trt.trt_env import NEEDS_GPU, NOT_INSTALLED, PLUGIN_MODULE, PLUGIN_NAMESPACE  # noqa: F401 (re-exported)
 
-PLUGIN_MODULE = "dspark_trt.plugins.tensorrt_plugins"
-PLUGIN_NAMESPACE = "dspark"
-PLUGINS = ("dspark::Survival", "dspark::GreedyAccept", "dspark::SampleAccept")
+PLUGINS = trt_env.PLUGIN_IDS
 PLUGIN_MODES = ("aot", "jit", "none")
-MIN_TENSORRT = {"aot": "10.9", "jit": "10.9", "none": "10.9"}
+MIN_TENSORRT = {"aot": trt_env.MIN_TENSORRT, "jit": trt_env.MIN_TENSORRT, "none": trt_env.MIN_TENSORRT}
 MIN_TENSORRT_REASON = {
     "aot": "AOT Python plugins (tensorrt.plugin.aot_impl) and NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS",
     "jit": "NetworkDefinitionCreationFlag.PREFER_JIT_PYTHON_PLUGINS (plugins with both AOT and JIT implementations)",
@@ -33,11 +35,6 @@ MIN_TENSORRT_REASON = {
 }
 NETWORK_PLUGIN_FLAG = {"aot": "PREFER_AOT_PYTHON_PLUGINS", "jit": "PREFER_JIT_PYTHON_PLUGINS"}
 DEFAULT_WORKSPACE_BYTES = 4 << 30
-
-NOT_INSTALLED = ("TensorRT is not installed: pip install 'dspark-trt[trt]' on a machine with an NVIDIA GPU "
-                 "(engines must be built on the GPU they will run on)")
-NEEDS_GPU = ("building TensorRT engines needs an NVIDIA GPU: none was found on this machine (engines must be "
-             "built on the GPU they will run on)")
 
 
 def _check_plugin_mode(plugin_mode: str) -> str:
@@ -120,9 +117,14 @@ def plan_build(artifact_dir, out_dir=None, plugin_mode: str = "aot",
             "network_flags": network_flags,
             "builder_flags": [],
             "parser_flags": [],
+            # "none": the parser reads a copy without plugin_namespace, so it imports the function bodies
+            # even in a process where the plugin module is registered (it would otherwise create the plugin
+            # with no AOT/JIT preference, which a plugin with both implementations refuses).
+            "strip_plugin_namespace": mode == "none",
             "parser_note": ("dspark nodes carry plugin_namespace='dspark', so the parser imports them as plugins "
                             "when the plugin module is loaded and falls back to their local function bodies "
-                            "otherwise; ENABLE_PLUGIN_OVERRIDE (TensorRT 10.15+) is only needed for plugins named "
+                            "otherwise (plugin mode 'none' strips the attribute from the parsed copy); "
+                            "ENABLE_PLUGIN_OVERRIDE (TensorRT 10.15+) is only needed for plugins named "
                             "like standard ONNX ops, which `dspark-trt check` forbids"),
             "memory_pool_limits": {"WORKSPACE": int(workspace_bytes)},
             "profiles": [profile],
@@ -163,17 +165,15 @@ def _relative_to(path: Path, base: Path) -> str:
 
 def check_build_environment(plugin_mode: str = "aot"):
     """TensorRT importable and recent enough, and a GPU present; returns (tensorrt module, GpuInfo)."""
-    from dspark_trt.exporter import trt_builder
     from dspark_trt.exporter.trt_support import version_at_least
-    from dspark_trt.runtime.engine_check import detect_gpu
 
     mode = _check_plugin_mode(plugin_mode)
-    trt = trt_builder.import_tensorrt()
-    version = trt_builder.tensorrt_version(trt)
+    trt = trt_env.import_tensorrt()
+    version = trt_env.tensorrt_version(trt)
     if not version_at_least(version, MIN_TENSORRT[mode]):
         raise DsparkError(f"TensorRT {version} is installed; dspark-trt needs >= {MIN_TENSORRT[mode]} "
                           f"({MIN_TENSORRT_REASON[mode]}): pip install -U 'dspark-trt[trt]'")
-    gpu = detect_gpu()
+    gpu = trt_env.detect_gpu()
     if gpu is None:
         raise DsparkError(NEEDS_GPU)
     return trt, gpu
@@ -197,10 +197,15 @@ def build_engines(artifact_dir, out_dir=None, plugin_mode: str = "aot",
                               f"export): re-export the artifact, or run `dspark-trt check {base}`")
 
     mode = plan["plugin_mode"]
+    kernel_facts = {}
     if mode != "none" and plan["plugins"]["ops"]:
-        trt_builder.load_plugins(PLUGIN_MODULE)
+        # Register the implementation this build uses (the other may already be there from earlier work in
+        # this process; then the PREFER_* network flag in the plan picks).
+        plugins = trt_env.load_plugins((mode,))
+        if mode == "aot":
+            kernel_facts = plugins.aot_kernel_facts(gpu.compute_capability)
 
-    version = trt_builder.tensorrt_version(trt)
+    version = trt_env.tensorrt_version(trt)
     written = []
     for g, entry in plan["graphs"].items():
         engine_bytes, info = trt_builder.build_engine(trt, g, entry)
@@ -210,7 +215,7 @@ def build_engines(artifact_dir, out_dir=None, plugin_mode: str = "aot",
             g, file=_relative_to(path, base), sha256=sha256_file(path), tensorrt_version=version,
             gpu_name=gpu.name, compute_capability=gpu.compute_capability, plugin_mode=mode, built=now_iso(),
             onnx_sha256=entry["onnx_sha256"], precision=entry["precision"]["export_dtype"],
-            plugin_layers=info.get("plugin_layers"), profiles=entry["profiles"],
+            plugin_layers=info.get("plugin_layers"), profiles=entry["profiles"], **kernel_facts,
         )
         manifest.save(base)
         written.append(path)

@@ -27,7 +27,13 @@ _MAX_PROBLEM_CHARS = 400
 _SELF_CHECKED_RESTRICTIONS = {"Constant"}
 
 # Attribute types the ONNX parser maps to plugin fields (notes/tensorrt.md): INT, FLOAT, STRING, INTS, FLOATS.
-_PLUGIN_ATTR_TYPES = {1: "FLOAT", 2: "INT", 3: "STRING", 6: "FLOATS", 7: "INTS"}
+# What the ONNX parser turns into plugin fields (onnx-tensorrt >= 10.1, onnxOpImporters.cpp, the plugin
+# importer's attribute switch): FLOAT, INT, STRING, FLOATS, INTS, STRINGS, and TENSOR of the element
+# types below; it rejects TENSORS, GRAPH(S), SPARSE_TENSOR(S) and UNDEFINED, and tensors of UINT8/16/32/64,
+# INT64, BOOL, COMPLEX64/128 or UNDEFINED ("is unsupported in plugin fields").
+_PLUGIN_ATTR_TYPES = {1: "FLOAT", 2: "INT", 3: "STRING", 4: "TENSOR", 6: "FLOATS", 7: "INTS", 8: "STRINGS"}
+_PLUGIN_TENSOR_DTYPES = {1: "FLOAT", 3: "INT8", 5: "INT16", 6: "INT32", 8: "STRING", 10: "FLOAT16", 11: "DOUBLE",
+                         16: "BFLOAT16"}
 _ATTR_TYPE_NAMES = {0: "UNDEFINED", 1: "FLOAT", 2: "INT", 3: "STRING", 4: "TENSOR", 5: "GRAPH", 6: "FLOATS",
                     7: "INTS", 8: "STRINGS", 9: "TENSORS", 10: "GRAPHS", 11: "SPARSE_TENSOR",
                     12: "SPARSE_TENSORS", 13: "TYPE_PROTO", 14: "TYPE_PROTOS"}
@@ -282,7 +288,11 @@ def _lint_model(report: CheckReport, stats: GraphStats, fname: str, model) -> No
             if a.type not in _PLUGIN_ATTR_TYPES:
                 report.problem(f"{fname}: {label} attribute {a.name} has type "
                                f"{_ATTR_TYPE_NAMES.get(a.type, a.type)}: the TensorRT plugin importer takes only "
-                               f"INT, FLOAT, STRING, INTS, FLOATS")
+                               f"{', '.join(_PLUGIN_ATTR_TYPES.values())}")
+            elif a.type == 4 and a.t.data_type not in _PLUGIN_TENSOR_DTYPES:
+                report.problem(f"{fname}: {label} attribute {a.name} is a {onnx_dtype_name(a.t.data_type)} tensor: "
+                               f"the TensorRT plugin importer takes tensors of "
+                               f"{', '.join(_PLUGIN_TENSOR_DTYPES.values())} only")
         if "." in node.op_type or not node.op_type:
             report.problem(f"{fname}: {label}: plugin names may not contain dots")
         if _is_standard_op_name(node.op_type):

@@ -49,7 +49,8 @@ def call_op(name: str, inputs: list, attrs: dict, out_dtypes: list, out_shapes: 
     args = [_numpy(x) for x in inputs] + ([list(attrs["temperatures"])] if name == "Survival" else [])
     outs = fn(*args)
     outs = outs if isinstance(outs, tuple) else (outs,)
-    return tuple(torch.from_numpy(np.asarray(o)).to(dt) for o, dt in zip(outs, out_dtypes))
+    device = inputs[0].device  # eager reference on the host; results go back where the inputs live
+    return tuple(torch.from_numpy(np.asarray(o)).to(device=device, dtype=dt) for o, dt in zip(outs, out_dtypes))
 
 
 class _PackedGraph(nn.Module):
@@ -94,7 +95,7 @@ class DraftStep(_PackedGraph):
         cdf = torch.cumsum(soft, dim=-1)
         sampled = (cdf < uniforms[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=logits.shape[1] - 1)
         token = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
-        onehot = (torch.arange(logits.shape[1])[None, :] == token[:, None]).float()
+        onehot = (torch.arange(logits.shape[1], device=logits.device)[None, :] == token[:, None]).float()
         probs = torch.where(greedy, onehot, soft)
         if self.head is not None:
             stats = draft_stats(logits, self.head.stats) if self.head.stats else None

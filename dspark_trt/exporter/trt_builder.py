@@ -1,4 +1,6 @@
-"""The TensorRT side of `dspark-trt build`: the only module that imports tensorrt (lazily, in functions).
+"""The TensorRT side of `dspark-trt build`: network, parser, profiles, serialized engine.
+
+TensorRT itself is imported and set up by `dspark_trt.trt_env` (shared with the runtime backend).
 
 Written against the TensorRT 10.9+ / 11.x Python API:
 - `trt.Builder(logger)`; without a usable GPU it fails (CUDA initialization error 35, then pybind11
@@ -16,58 +18,35 @@ Written against the TensorRT 10.9+ / 11.x Python API:
 
 from __future__ import annotations
 
-import importlib
-import os
-
+from dspark_trt import trt_env
 from dspark_trt.errors import DsparkError
 
 
-def import_tensorrt():
-    """Import tensorrt or raise the one-line DsparkError that says how to get it."""
-    from dspark_trt.exporter.build import NOT_INSTALLED
+def without_plugin_namespace(path, namespace: str = trt_env.PLUGIN_NAMESPACE) -> bytes:
+    """The ONNX model at `path` (external weights left where they are) with `plugin_namespace` removed from
+    every node of `namespace`'s domain, in graphs, subgraphs and function bodies: the TensorRT parser then
+    imports each such node from its model-local function body, registered plugin or not."""
+    import onnx
 
-    try:
-        import tensorrt as trt  # noqa: PLC0415 - lazy by design
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] in ("tensorrt", "tensorrt_libs", "tensorrt_bindings"):
-            raise DsparkError(NOT_INSTALLED) from None
-        raise DsparkError(f"TensorRT failed to import ({e}): reinstall with pip install 'dspark-trt[trt]'") from None
-    except (ImportError, OSError) as e:
-        raise DsparkError(f"TensorRT is installed but failed to load ({' '.join(str(e).split())}): check the NVIDIA "
-                          f"driver and the TensorRT libraries (pip install 'dspark-trt[trt]')") from None
-    return trt
+    model = onnx.load(str(path), load_external_data=False)
 
+    def strip(nodes) -> None:
+        for n in nodes:
+            if n.domain == namespace:
+                keep = [a for a in n.attribute if a.name != "plugin_namespace"]
+                del n.attribute[:]
+                n.attribute.extend(keep)
+            for a in n.attribute:
+                if a.type == onnx.AttributeProto.GRAPH:
+                    strip(a.g.node)
+                elif a.type == onnx.AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        strip(g.node)
 
-def tensorrt_version(trt) -> str:
-    return str(getattr(trt, "__version__", "unknown"))
-
-
-def make_logger(trt):
-    level = trt.Logger.VERBOSE if os.environ.get("DSPARK_TRT_VERBOSE") else trt.Logger.WARNING
-    return trt.Logger(level)
-
-
-def create_builder(trt, logger):
-    """trt.Builder, or DsparkError when CUDA cannot be initialised (no GPU / no driver)."""
-    from dspark_trt.exporter.build import NEEDS_GPU
-
-    try:
-        builder = trt.Builder(logger)
-    except Exception as e:  # TypeError: pybind11::init(): factory function returned nullptr
-        raise DsparkError(f"{NEEDS_GPU}; TensorRT could not initialise CUDA ({' '.join(str(e).split())})") from None
-    if builder is None:
-        raise DsparkError(NEEDS_GPU)
-    return builder
-
-
-def load_plugins(module: str) -> None:
-    """Import the module whose `tensorrt.plugin` decorators register the dspark plugins."""
-    try:
-        importlib.import_module(module)
-    except Exception as e:
-        raise DsparkError(f"cannot load the dspark TensorRT plugins ({module}: {type(e).__name__}: "
-                          f"{' '.join(str(e).split())}); fix it, or build with the function bodies only "
-                          f"(plugin_mode='none')") from None
+    strip(model.graph.node)
+    for f in model.functions:
+        strip(f.node)
+    return model.SerializeToString()
 
 
 def _network_flags(trt, names: list[str]) -> int:
@@ -75,7 +54,7 @@ def _network_flags(trt, names: list[str]) -> int:
     for name in names:
         member = getattr(trt.NetworkDefinitionCreationFlag, name, None)
         if member is None:
-            raise DsparkError(f"this TensorRT ({tensorrt_version(trt)}) has no network flag {name}: "
+            raise DsparkError(f"this TensorRT ({trt_env.tensorrt_version(trt)}) has no network flag {name}: "
                               f"pip install -U 'dspark-trt[trt]'")
         flags |= 1 << int(member)
     return flags
@@ -96,14 +75,19 @@ def _count_plugin_layers(trt, network) -> int:
 
 def build_engine(trt, graph: str, entry: dict, logger=None) -> tuple[bytes, dict]:
     """Parse entry['onnx'] and build a serialized engine per the plan entry (see build.plan_build)."""
-    logger = logger or make_logger(trt)
-    builder = create_builder(trt, logger)
+    logger = logger or trt_env.make_logger(trt)
+    builder = trt_env.create_builder(trt, logger)
     network = builder.create_network(_network_flags(trt, entry["network_flags"]))
     parser = trt.OnnxParser(network, logger)
     for name in entry.get("parser_flags", []):
         parser.set_flag(getattr(trt.OnnxParserFlag, name))
 
-    if not parser.parse_from_file(str(entry["onnx"])):
+    if entry.get("strip_plugin_namespace"):
+        # `OnnxParser.parse(model, path)`: path only locates external weights (TensorRT >= 8.0).
+        ok = parser.parse(without_plugin_namespace(entry["onnx"]), str(entry["onnx"]))
+    else:
+        ok = parser.parse_from_file(str(entry["onnx"]))
+    if not ok:
         errors = _parser_errors(parser) or ["unknown parser error"]
         more = f" (+{len(errors) - 1} more)" if len(errors) > 1 else ""
         raise DsparkError(f"TensorRT could not parse {entry['onnx']}: {errors[0]}{more}: run `dspark-trt check` "

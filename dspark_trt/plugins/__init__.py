@@ -5,7 +5,8 @@
 * :mod:`.onnx_functions`  model-local ONNX FunctionProtos, ``attach_functions``            (onnx)
 * :mod:`.launch`          grids and block sizes                                             (no deps)
 * :mod:`.kernels`         Triton kernels, torch launchers, AOT PTX compilation              (torch, triton)
-* :mod:`.tensorrt_plugins` TensorRT plugin registration                                     (tensorrt)
+* :mod:`.ptx`             the PTX ISA the AOT kernels are emitted in                        (no deps)
+* :mod:`.tensorrt_plugins` TensorRT plugin registration, ``register(impls)``                (tensorrt)
 
 This package imports only the spec: importing it must never pull in torch, triton or tensorrt.
 """

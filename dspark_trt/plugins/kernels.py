@@ -9,7 +9,10 @@ launchers below, the TensorRT JIT plugin (``@trtp.impl``) and the AOT plugin (``
 * ``greedy_accept_kernel`` / ``sample_accept_kernel``: one program per request; the request offset is
   summed from ``verify_lens`` in BLOCK_R chunks (O(R) per program: negligible next to the O(V) row
   passes for any realistic R), the vocabulary is walked in BLOCK_V chunks, and the
-  draft rows are walked with a ``while`` loop that stops at the first rejection.
+  draft rows are walked with a ``while`` loop that stops at the first rejection. Offsets and draft
+  counts are clamped to the M packed rows (scalar ``M``): TensorRT runs plugins while timing tactics on
+  inputs of unspecified contents, and no ``verify_lens`` may then send a read out of bounds.
+* AOT PTX is emitted in a pinned PTX ISA (plugins/ptx.py), not the newest Triton's ptxas knows.
 
 Tests run these on CPU with the Triton interpreter. Interpretation is per process: ``TRITON_INTERPRET=1``
 must be set before ``triton`` is first imported (triton's own library functions are decorated then), so
@@ -18,6 +21,7 @@ a process either interprets every kernel or none; AOT compilation needs a native
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Sequence
@@ -29,15 +33,32 @@ from dspark_trt.plugins import launch
 from dspark_trt.plugins.spec import check_temperatures
 
 
+def interpreting() -> bool:
+    """Is Triton running kernels in its CPU interpreter? `triton.knobs` (Triton >= 3.4) when present,
+    else the TRITON_INTERPRET variable that older releases read at import."""
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 # ------------------------------------------------------------------------------------------ helpers
 @triton.jit
-def _request_offset(lens_ptr, r, BLOCK_R: tl.constexpr):
-    """o_r = sum_{s<r} (L_s + 1)."""
+def _request_rows(lens_ptr, r, M, BLOCK_R: tl.constexpr):
+    """(o_r, n_r): request r's first packed row o_r = sum_{s<r} (L_s + 1) and its draft count n_r = L_r,
+    clamped so that rows o_r .. o_r + n_r lie in [0, M). Valid inputs (L >= 0, sum(L + 1) == M) are
+    unchanged; any other int64 data (TensorRT times plugins on inputs of unspecified contents) stays in
+    bounds instead of faulting."""
     acc = tl.zeros([BLOCK_R], dtype=tl.int64)
     for s0 in range(0, r, BLOCK_R):
         idx = s0 + tl.arange(0, BLOCK_R)
-        acc += tl.load(lens_ptr + idx, mask=idx < r, other=-1).to(tl.int64) + 1
-    return tl.sum(acc, axis=0)
+        ls = tl.load(lens_ptr + idx, mask=idx < r, other=0).to(tl.int64)
+        acc += tl.where(idx < r, tl.minimum(tl.maximum(ls, 0), M) + 1, 0)
+    last = tl.maximum(M - 1, 0).to(tl.int64)
+    o = tl.minimum(tl.sum(acc, axis=0), last)
+    n = tl.load(lens_ptr + r).to(tl.int64)
+    n = tl.minimum(tl.maximum(n, 0), last - o)
+    return o, n
 
 
 @triton.jit
@@ -99,9 +120,9 @@ def _probs(x, offs, t, shift, total, am, greedy):
 def _accept_test(logits_ptr, q_ptr, draft_ptr, ua_ptr, row, active, V, t, am, shift, total, greedy):
     """Is draft token x = draft[row] accepted: u < min(1, p(x)/q(x)) (q(x) = 0: p(x) > 0)."""
     x = tl.load(draft_ptr + row, mask=active, other=-1)
-    valid = (x >= 0) & (x < V)
+    valid = active & (x >= 0) & (x < V)
     xc = tl.where(valid, x, 0)
-    lx = tl.load(logits_ptr + row * V + xc).to(tl.float32)
+    lx = tl.load(logits_ptr + row * V + xc, mask=valid, other=0.0).to(tl.float32)
     px = _probs(lx, xc, t, shift, total, am.to(tl.int64), greedy)
     px = tl.where(valid, px, 0.0)
     qx = tl.load(q_ptr + row * V + xc, mask=valid, other=0.0).to(tl.float32)
@@ -137,11 +158,11 @@ def survival_kernel(logits_ptr, prev_ptr, start_ptr, R, J, out_ptr,
 
 
 @triton.jit
-def greedy_accept_kernel(logits_ptr, draft_ptr, lens_ptr, R, V, accepted_ptr, next_ptr,
+def greedy_accept_kernel(logits_ptr, draft_ptr, lens_ptr, R, M, V_in, accepted_ptr, next_ptr,
                          BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
     r = tl.program_id(0)
-    o = _request_offset(lens_ptr, r, BLOCK_R)
-    n = tl.load(lens_ptr + r).to(tl.int64)
+    o, n = _request_rows(lens_ptr, r, M, BLOCK_R)
+    V = tl.where(M > 0, V_in, 0)  # no rows: read nothing
     j = o * 0
     am = _row_argmax(logits_ptr + o * V, V, BLOCK_V).to(tl.int64)
     tok = tl.load(draft_ptr + o, mask=n > 0, other=-1).to(tl.int64)
@@ -154,11 +175,11 @@ def greedy_accept_kernel(logits_ptr, draft_ptr, lens_ptr, R, V, accepted_ptr, ne
 
 
 @triton.jit
-def sample_accept_kernel(logits_ptr, q_ptr, draft_ptr, lens_ptr, temp_ptr, ua_ptr, us_ptr, R, V,
+def sample_accept_kernel(logits_ptr, q_ptr, draft_ptr, lens_ptr, temp_ptr, ua_ptr, us_ptr, R, M, V_in,
                          accepted_ptr, next_ptr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
     r = tl.program_id(0)
-    o = _request_offset(lens_ptr, r, BLOCK_R)
-    n = tl.load(lens_ptr + r).to(tl.int64)
+    o, n = _request_rows(lens_ptr, r, M, BLOCK_R)
+    V = tl.where(M > 0, V_in, 0)  # no rows: read nothing
     T = tl.load(temp_ptr + r).to(tl.float32)
     t = tl.where(T > 0, T, 1.0)
     j = o * 0
@@ -255,7 +276,7 @@ def greedy_accept(logits, draft_tokens, verify_lens, out=None, check: bool = Tru
         return acc, nxt
     cfg = launch.accept_launch(n_req, vocab)
     greedy_accept_kernel[cfg.grid](logits.contiguous(), draft_tokens.contiguous(), verify_lens.contiguous(),
-                                   n_req, vocab, acc, nxt, num_warps=cfg.num_warps,
+                                   n_req, rows, vocab, acc, nxt, num_warps=cfg.num_warps,
                                    enable_fp_fusion=FP_FUSION, **cfg.constexprs)
     return acc, nxt
 
@@ -280,7 +301,7 @@ def sample_accept(logits, draft_probs, draft_tokens, verify_lens, temperature, a
     sample_accept_kernel[cfg.grid](
         logits.contiguous(), draft_probs.contiguous(), draft_tokens.contiguous(), verify_lens.contiguous(),
         temperature.to(f32).contiguous(), accept_uniforms.to(f32).contiguous(),
-        sample_uniforms.to(f32).contiguous(), n_req, vocab, acc, nxt, num_warps=cfg.num_warps,
+        sample_uniforms.to(f32).contiguous(), n_req, rows, vocab, acc, nxt, num_warps=cfg.num_warps,
         enable_fp_fusion=FP_FUSION, **cfg.constexprs)
     return acc, nxt
 
@@ -293,13 +314,13 @@ AOT_LAYOUT = {
     "Survival": ("survival_kernel", [("in", "logits"), ("in", "prev"), ("in", "start"), ("scalar", "R"),
                                      ("scalar", "J"), ("out", "survival")]),
     "GreedyAccept": ("greedy_accept_kernel", [("in", "logits"), ("in", "draft_tokens"), ("in", "verify_lens"),
-                                              ("scalar", "R"), ("scalar", "V"), ("out", "accepted"),
-                                              ("out", "next_token")]),
+                                              ("scalar", "R"), ("scalar", "M"), ("scalar", "V"),
+                                              ("out", "accepted"), ("out", "next_token")]),
     "SampleAccept": ("sample_accept_kernel", [("in", "logits"), ("in", "draft_probs"), ("in", "draft_tokens"),
                                               ("in", "verify_lens"), ("in", "temperature"),
                                               ("in", "accept_uniforms"), ("in", "sample_uniforms"),
-                                              ("scalar", "R"), ("scalar", "V"), ("out", "accepted"),
-                                              ("out", "next_token")]),
+                                              ("scalar", "R"), ("scalar", "M"), ("scalar", "V"),
+                                              ("out", "accepted"), ("out", "next_token")]),
 }
 
 
@@ -366,18 +387,21 @@ def compile_ptx(op_name: str, *, input_dtypes: dict[str, str] | None = None, voc
     """
     from triton.backends.compiler import GPUTarget
 
-    if triton.knobs.runtime.interpret:
+    from dspark_trt.plugins import ptx as ptx_isa
+
+    if interpreting():
         raise RuntimeError("compile_ptx needs native Triton; it was imported with TRITON_INTERPRET=1")
     kernel_name, layout = AOT_LAYOUT[op_name]
     kernel = globals()[kernel_name]
     sig = aot_signature(op_name, input_dtypes)
     consts = aot_constexprs(op_name, vocab, temperatures)
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
-    options = {"num_warps": aot_num_warps(op_name, vocab), "enable_fp_fusion": FP_FUSION}
     if target is None:
-        compiled = triton.compile(src, options=options)
-    else:
-        compiled = triton.compile(src, target=GPUTarget(*target), options=options)
+        target = _current_target()
+    # PTX ISA pinned to what the drivers of the supported TensorRT range accept (plugins/ptx.py).
+    options = {"num_warps": aot_num_warps(op_name, vocab), "enable_fp_fusion": FP_FUSION,
+               "ptx_version": ptx_isa.ptx_isa_for(int(target[1]))}
+    compiled = triton.compile(src, target=GPUTarget(*target), options=options)
     md = compiled.metadata
     if getattr(md, "global_scratch_size", 0) or getattr(md, "profile_scratch_size", 0):
         raise RuntimeError(f"{kernel_name} needs Triton scratch memory, which TensorRT AOT plugins cannot pass")
@@ -385,6 +409,11 @@ def compile_ptx(op_name: str, *, input_dtypes: dict[str, str] | None = None, voc
     ptx = strip_hidden_params(ptx, md.name, len(layout))
     return CompiledKernel(name=md.name, ptx=ptx, num_warps=md.num_warps, shared=md.shared,
                           scalars=tuple(w for k, w in layout if k == "scalar"))
+
+
+def _current_target() -> tuple:
+    t = triton.runtime.driver.active.get_current_target()
+    return (t.backend, t.arch, t.warp_size)
 
 
 _ENTRY = re.compile(r"(\.entry\s+(?P<name>[\w$]+)\s*\()(?P<params>[^)]*)(\))", re.S)

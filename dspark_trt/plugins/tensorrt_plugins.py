@@ -1,19 +1,28 @@
 """TensorRT plugins for the dspark ops (Python "quickly deployable plugins", ``tensorrt.plugin``).
 
-Importing this module registers ``dspark::Survival``, ``dspark::GreedyAccept`` and
-``dspark::SampleAccept``; import it before parsing an ONNX file so the parser maps the dspark nodes
+``register(impls)`` registers ``dspark::Survival``, ``dspark::GreedyAccept`` and ``dspark::SampleAccept``
+with the implementations asked for ("aot", "jit"; idempotent, and more can be added later); call it
+(``trt_env.load_plugins``) before parsing an ONNX file so the parser maps the dspark nodes
 (``plugin_namespace="dspark"``) to these plugins instead of importing their function bodies.
+
+Which implementation TensorRT creates is decided per creation request (``QuickPluginCreationRequest``,
+TensorRT 10.9+, ``tensorrt/plugin/_lib.py`` ``_TemplatePluginCreator.create_plugin``): STRICT_AOT/JIT
+(node attribute ``aot``) wins; with both implementations registered PREFER_AOT/JIT (network flags)
+decides and UNKNOWN raises "has both AOT and JIT implementations"; with one registered, that one is
+built for any request but the other STRICT one. What TensorRT's (closed) core passes when it
+deserializes an engine with JIT plugins is not in the open sources, so a process that loads JIT engines
+registers "jit" only (``TrtBackend``): the creator can then only build the JIT plugin.
 
 API versions used (see /work/shared/notes/tensorrt.md):
 * ``trtp.register`` / ``trtp.impl`` / ``trtp.autotune``: TensorRT >= 10.6;
-* ``trtp.aot_impl`` (kernel embedded in the engine, no Python at runtime): TensorRT >= 10.9. Both
-  implementations are registered, so a network must say which to use: node attribute ``aot`` (1/0,
+* ``trtp.aot_impl`` (kernel embedded in the engine, no Python at runtime): TensorRT >= 10.9 (required).
+  With both implementations registered a network must say which to use: node attribute ``aot`` (1/0,
   see spec.make_node) or network flag ``PREFER_AOT_PYTHON_PLUGINS`` / ``PREFER_JIT_PYTHON_PLUGINS``.
 * An engine built with the JIT implementation needs this module imported wherever it is deserialized.
 
 AOT plugin attributes are not serialized, so everything a kernel needs is baked in at build time:
 the Survival temperatures are a constexpr tuple of the compiled kernel, block sizes come from the
-(static) vocabulary; R, J and V are int32 extra arguments from symbolic shapes.
+(static) vocabulary; R, J, M (packed rows) and V are int32 extra arguments from symbolic shapes.
 
 This module is deliberately thin: shape rules (spec.output_dims), I/O type combinations
 (spec.plugin_type_combinations), grids and block sizes (launch, used by kernels.compile_ptx and the
@@ -47,10 +56,10 @@ import numpy.typing as npt  # noqa: E402
 
 from dspark_trt.plugins import spec  # noqa: E402
 
-if not hasattr(trtp, "register") or not hasattr(trtp, "impl"):
-    raise TensorRTUnavailable(f"TensorRT {trt.__version__} has no Python plugin API (needs >= 10.6, AOT >= 10.9): "
-                      "install `dspark-trt[trt]` with a newer TensorRT")
-HAS_AOT = hasattr(trtp, "aot_impl")
+if not all(hasattr(trtp, n) for n in ("register", "impl", "autotune", "aot_impl", "KernelLaunchParams")):
+    raise TensorRTUnavailable(f"TensorRT {trt.__version__} lacks the Python plugin API dspark-trt uses (AOT "
+                              f"plugins: >= 10.9): pip install -U 'dspark-trt[trt]'")
+HAS_AOT = True  # checked above (kept for callers of the earlier API)
 
 _FROM_TRT = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16", trt.int64: "int64",
              trt.int32: "int32"}
@@ -77,12 +86,18 @@ def _input_dtypes(op_name: str, *inputs) -> dict:
 
 
 def _static(expr):
-    """The value of a constant shape expression, else None."""
+    """The value of a constant shape expression, else None.
+
+    ``trtp.ShapeExpr`` (TensorRT 10.6-11.1 ``tensorrt/plugin/_tensor.py``): ``is_fake`` and ``is_constant``
+    are properties (``is_constant`` raises RuntimeError on a fake expression); ``constant_value()`` is a
+    method that raises RuntimeError on a non-constant one."""
     if isinstance(expr, int):
         return expr
     try:
-        return int(expr.constant_value) if expr.is_constant else None
-    except (AttributeError, ValueError, TypeError):
+        if getattr(expr, "is_fake", False) or not expr.is_constant:
+            return None
+        return int(expr.constant_value())
+    except (AttributeError, RuntimeError, ValueError, TypeError):
         return None
 
 
@@ -98,26 +113,48 @@ def _aot_result(op_name: str, inputs: tuple, grid_expr, scalar_exprs: dict, **co
     return ck.name.encode(), ck.ptx.encode(), params, extra
 
 
+# trtp.Tensor.__cuda_array_interface__ raises ValueError for BF16, FP8 and INT4 (TensorRT 10.6-11.1,
+# tensorrt/plugin/_tensor.py: numpy has no such dtypes). The autotune combinations advertise BF16, so
+# those tensors are handed to torch as same-width integers and viewed back: (typestr, torch dtype).
+_RAW_VIEWS = {trt.bfloat16: ("<i2", "bfloat16")}
+
+
+class _RawCuda:
+    """A __cuda_array_interface__ (v3) over a trtp.Tensor's buffer, typed as a same-width integer."""
+
+    def __init__(self, tensor, typestr: str):
+        itemsize = int(typestr[2:])
+        shape = tuple(int(d) for d in tensor.shape)
+        strides = tensor.strides
+        self.__cuda_array_interface__ = {
+            "shape": shape, "typestr": typestr, "data": (int(tensor.data_ptr), False), "version": 3,
+            "strides": None if strides is None else tuple(int(s) * itemsize for s in strides)}
+
+
 def _cuda(*tensors):
     import torch
 
-    return [torch.as_tensor(t, device="cuda") for t in tensors]
+    out = []
+    for t in tensors:
+        view = _RAW_VIEWS.get(t.dtype)
+        if view is None:
+            out.append(torch.as_tensor(t, device="cuda"))
+        else:
+            out.append(torch.as_tensor(_RawCuda(t, view[0]), device="cuda").view(getattr(torch, view[1])))
+    return out
 
 
 # ------------------------------------------------------------------------------------------ Survival
-@trtp.register("dspark::Survival")
 def survival_desc(logits: trtp.TensorDesc, prev: trtp.TensorDesc, start: trtp.TensorDesc,
                   temperatures: npt.NDArray[np.float32]) -> trtp.TensorDesc:
     return _outputs("Survival", logits, prev, start)[0]
 
 
-@trtp.autotune("dspark::Survival")
 def survival_autotune(logits: trtp.TensorDesc, prev: trtp.TensorDesc, start: trtp.TensorDesc,
                       outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
     return _autotune("Survival")
 
 
-@trtp.impl("dspark::Survival")
 def survival_impl(logits: trtp.Tensor, prev: trtp.Tensor, start: trtp.Tensor,
                   temperatures: npt.NDArray[np.float32], outputs: Tuple[trtp.Tensor], stream: int) -> None:
     import torch
@@ -129,30 +166,25 @@ def survival_impl(logits: trtp.Tensor, prev: trtp.Tensor, start: trtp.Tensor,
         kernels.survival(lt, pt, st, [float(t) for t in temperatures], out=out)
 
 
-if HAS_AOT:
-    @trtp.aot_impl("dspark::Survival")
-    def survival_aot_impl(logits: trtp.TensorDesc, prev: trtp.TensorDesc, start: trtp.TensorDesc,
-                          temperatures: npt.NDArray[np.float32], outputs: Tuple[trtp.TensorDesc], tactic: int
-                          ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
-        r, j = logits.shape_expr[0], logits.shape_expr[1]
-        return _aot_result("Survival", (logits, prev, start), r, {"R": r, "J": j},
-                           temperatures=[float(t) for t in temperatures])
+def survival_aot_impl(logits: trtp.TensorDesc, prev: trtp.TensorDesc, start: trtp.TensorDesc,
+                      temperatures: npt.NDArray[np.float32], outputs: Tuple[trtp.TensorDesc], tactic: int
+                      ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
+    r, j = logits.shape_expr[0], logits.shape_expr[1]
+    return _aot_result("Survival", (logits, prev, start), r, {"R": r, "J": j},
+                       temperatures=[float(t) for t in temperatures])
 
 
 # ------------------------------------------------------------------------------------- GreedyAccept
-@trtp.register("dspark::GreedyAccept")
 def greedy_accept_desc(logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, verify_lens: trtp.TensorDesc
                        ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
     return _outputs("GreedyAccept", logits, draft_tokens, verify_lens)
 
 
-@trtp.autotune("dspark::GreedyAccept")
 def greedy_accept_autotune(logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc, verify_lens: trtp.TensorDesc,
                            outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
     return _autotune("GreedyAccept")
 
 
-@trtp.impl("dspark::GreedyAccept")
 def greedy_accept_impl(logits: trtp.Tensor, draft_tokens: trtp.Tensor, verify_lens: trtp.Tensor,
                        outputs: Tuple[trtp.Tensor], stream: int) -> None:
     import torch
@@ -164,19 +196,16 @@ def greedy_accept_impl(logits: trtp.Tensor, draft_tokens: trtp.Tensor, verify_le
         kernels.greedy_accept(lt, dt, vt, out=(acc, nxt), check=False)
 
 
-if HAS_AOT:
-    @trtp.aot_impl("dspark::GreedyAccept")
-    def greedy_accept_aot_impl(logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc,
-                               verify_lens: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int
-                               ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
-                                          trtp.SymExprs]:
-        r, v = verify_lens.shape_expr[0], logits.shape_expr[1]
-        return _aot_result("GreedyAccept", (logits, draft_tokens, verify_lens), r, {"R": r, "V": v},
-                           vocab=_static(v))
+def greedy_accept_aot_impl(logits: trtp.TensorDesc, draft_tokens: trtp.TensorDesc,
+                           verify_lens: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int
+                           ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
+                                      trtp.SymExprs]:
+    r, m, v = verify_lens.shape_expr[0], logits.shape_expr[0], logits.shape_expr[1]
+    return _aot_result("GreedyAccept", (logits, draft_tokens, verify_lens), r, {"R": r, "M": m, "V": v},
+                       vocab=_static(v))
 
 
 # ------------------------------------------------------------------------------------- SampleAccept
-@trtp.register("dspark::SampleAccept")
 def sample_accept_desc(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc, draft_tokens: trtp.TensorDesc,
                        verify_lens: trtp.TensorDesc, temperature: trtp.TensorDesc,
                        accept_uniforms: trtp.TensorDesc, sample_uniforms: trtp.TensorDesc
@@ -185,7 +214,6 @@ def sample_accept_desc(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc, dr
                     accept_uniforms, sample_uniforms)
 
 
-@trtp.autotune("dspark::SampleAccept")
 def sample_accept_autotune(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc, draft_tokens: trtp.TensorDesc,
                            verify_lens: trtp.TensorDesc, temperature: trtp.TensorDesc,
                            accept_uniforms: trtp.TensorDesc, sample_uniforms: trtp.TensorDesc,
@@ -193,7 +221,6 @@ def sample_accept_autotune(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc
     return _autotune("SampleAccept")
 
 
-@trtp.impl("dspark::SampleAccept")
 def sample_accept_impl(logits: trtp.Tensor, draft_probs: trtp.Tensor, draft_tokens: trtp.Tensor,
                        verify_lens: trtp.Tensor, temperature: trtp.Tensor, accept_uniforms: trtp.Tensor,
                        sample_uniforms: trtp.Tensor, outputs: Tuple[trtp.Tensor], stream: int) -> None:
@@ -207,17 +234,68 @@ def sample_accept_impl(logits: trtp.Tensor, draft_probs: trtp.Tensor, draft_toke
         kernels.sample_accept(*ts[:7], out=tuple(ts[7:]), check=False)
 
 
-if HAS_AOT:
-    @trtp.aot_impl("dspark::SampleAccept")
-    def sample_accept_aot_impl(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
-                               draft_tokens: trtp.TensorDesc, verify_lens: trtp.TensorDesc,
-                               temperature: trtp.TensorDesc, accept_uniforms: trtp.TensorDesc,
-                               sample_uniforms: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int
-                               ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
-                                          trtp.SymExprs]:
-        r, v = verify_lens.shape_expr[0], logits.shape_expr[1]
-        inputs = (logits, draft_probs, draft_tokens, verify_lens, temperature, accept_uniforms, sample_uniforms)
-        return _aot_result("SampleAccept", inputs, r, {"R": r, "V": v}, vocab=_static(v))
+def sample_accept_aot_impl(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc,
+                           draft_tokens: trtp.TensorDesc, verify_lens: trtp.TensorDesc,
+                           temperature: trtp.TensorDesc, accept_uniforms: trtp.TensorDesc,
+                           sample_uniforms: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc], tactic: int
+                           ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
+                                      trtp.SymExprs]:
+    r, m, v = verify_lens.shape_expr[0], logits.shape_expr[0], logits.shape_expr[1]
+    inputs = (logits, draft_probs, draft_tokens, verify_lens, temperature, accept_uniforms, sample_uniforms)
+    return _aot_result("SampleAccept", inputs, r, {"R": r, "M": m, "V": v}, vocab=_static(v))
 
 
+# ------------------------------------------------------------------------------------- registration
+_FUNCTIONS = {  # plugin id -> (register, autotune, JIT impl, AOT impl)
+    "dspark::Survival": (survival_desc, survival_autotune, survival_impl, survival_aot_impl),
+    "dspark::GreedyAccept": (greedy_accept_desc, greedy_accept_autotune, greedy_accept_impl,
+                             greedy_accept_aot_impl),
+    "dspark::SampleAccept": (sample_accept_desc, sample_accept_autotune, sample_accept_impl,
+                             sample_accept_aot_impl),
+}
 REGISTERED = tuple(op.plugin_id for op in spec.OPS.values())
+IMPLS = ("aot", "jit")
+_registered: set = set()  # "desc", "aot", "jit": what this process has registered with tensorrt.plugin
+
+
+def register(impls=IMPLS) -> frozenset:
+    """Register the dspark plugins (shapes, autotune) once per process, plus each implementation in
+    `impls` not registered yet ("aot": kernel embedded in the engine; "jit": Triton called from Python at
+    run time). tensorrt.plugin keeps registrations for the life of the process; returns what is registered."""
+    wanted = {str(i).lower() for i in impls}
+    unknown = wanted - set(IMPLS)
+    if unknown:
+        raise DsparkError(f"unknown dspark plugin implementation(s) {sorted(unknown)}: choose from {IMPLS}")
+    if "desc" not in _registered:
+        for pid, (desc, tune, _, _) in _FUNCTIONS.items():
+            trtp.register(pid)(desc)
+            trtp.autotune(pid)(tune)
+        _registered.add("desc")
+    for kind in sorted(wanted - _registered):
+        for pid, (_, _, jit, aot) in _FUNCTIONS.items():
+            (trtp.aot_impl(pid)(aot) if kind == "aot" else trtp.impl(pid)(jit))
+        _registered.add(kind)
+    return registered_impls()
+
+
+def registered_impls() -> frozenset:
+    return frozenset(_registered & set(IMPLS))
+
+
+def aot_kernel_facts(compute_capability) -> dict:
+    """What an AOT engine's manifest entry records about its embedded kernels."""
+    from dspark_trt.plugins import ptx
+
+    return {"aot_kernels": {"compiler": f"triton {triton_version()}",
+                            "ptx_isa": ptx.isa_string(ptx.ptx_isa_for(compute_capability))}}
+
+
+def triton_version() -> str:
+    """The installed Triton's version, read without importing it (importing triton fixes, for the whole
+    process, whether its kernels are interpreted)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        return "not installed"

@@ -9,19 +9,12 @@ Standard library only (the runtime imports without torch or tensorrt).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import re
-import shutil
-import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 from dspark_trt.errors import DsparkError
-
-# Python-plugin engines built in JIT mode call back into the registering module at run time.
-PLUGIN_MODULE = "dspark_trt.plugins.tensorrt_plugins"
+from dspark_trt.trt_env import PLUGIN_MODULE, GpuInfo, detect_gpu, version_key  # noqa: F401 (re-exported)
 
 
 def _engines(manifest: Any) -> Mapping:
@@ -36,8 +29,7 @@ def _artifact_label(manifest: Any) -> str:
 
 
 def _version_key(version: str, width: int = 3) -> tuple[int, ...]:
-    nums = [int(x) for x in re.findall(r"\d+", str(version))[:width]]
-    return tuple(nums + [0] * (width - len(nums)))
+    return version_key(version, width)
 
 
 def _cc_key(cc: Any) -> str:
@@ -116,67 +108,3 @@ def verify_engine_file(manifest: Any, graph: str, artifact_dir: str | Path | Non
 def needs_plugin_module(entry: Mapping) -> bool:
     """JIT-plugin engines need `PLUGIN_MODULE` imported before deserialization; AOT engines do not."""
     return entry.get("plugin_mode") == "jit"
-
-
-# ------------------------------------------------------------------------------------------ GPU facts
-
-
-@dataclass(frozen=True)
-class GpuInfo:
-    name: str
-    compute_capability: str  # "9.0"
-
-
-def _detect_with_libcuda(device: int) -> GpuInfo | None:
-    names = [n for n in (ctypes.util.find_library("cuda"), "libcuda.so.1", "libcuda.so", "nvcuda.dll") if n]
-    lib = None
-    for n in names:
-        try:
-            lib = ctypes.CDLL(n)
-            break
-        except OSError:
-            continue
-    if lib is None:
-        return None
-    try:
-        if lib.cuInit(0) != 0:
-            return None
-        dev = ctypes.c_int()
-        if lib.cuDeviceGet(ctypes.byref(dev), int(device)) != 0:
-            return None
-        buf = ctypes.create_string_buffer(256)
-        if lib.cuDeviceGetName(buf, 256, dev) != 0:
-            return None
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76 (cuda.h)
-        if lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) != 0:
-            return None
-        if lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) != 0:
-            return None
-        return GpuInfo(buf.value.decode("utf-8", "replace"), f"{major.value}.{minor.value}")
-    except (AttributeError, OSError):
-        return None
-
-
-def _detect_with_nvidia_smi(device: int) -> GpuInfo | None:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader", f"--id={device}"],
-                             capture_output=True, text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    line = out.strip().splitlines()[0] if out.strip() else ""
-    if "," not in line:
-        return None
-    name, cc = (x.strip() for x in line.rsplit(",", 1))
-    return GpuInfo(name, cc) if re.match(r"^\d+\.\d+$", cc) else None
-
-
-def detect_gpu(device: int = 0) -> GpuInfo | None:
-    """Name and compute capability of CUDA device `device` (after CUDA_VISIBLE_DEVICES), or None without a GPU.
-
-    Uses the CUDA driver library directly (no torch / cuda-python needed), then `nvidia-smi`.
-    """
-    return _detect_with_libcuda(device) or _detect_with_nvidia_smi(device)

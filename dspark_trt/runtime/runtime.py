@@ -158,15 +158,19 @@ class Runtime:
     # ------------------------------------------------------------------ loading
     @classmethod
     def load(cls, artifact_dir, backend: str = "ort", max_batch: int | None = None, profile: str = "auto",
-             max_queue: int | None = None, recalibrate: bool = True) -> "Runtime":
+             max_queue: int | None = None, recalibrate: bool = True,
+             backend_options: dict | None = None) -> "Runtime":
         """Load an exported artifact. profile: "auto" (load cost_profile.json or measure one at start-up),
         "load" (must exist), or "none" (adaptive then uses a per-token cost estimate). recalibrate: correct
-        the draft's survivals online from what verification accepts (survival_correction.py)."""
+        the draft's survivals online from what verification accepts (survival_correction.py).
+        backend_options: passed to the backend (torch: device, dtype); they also name its cost profile."""
         from dspark_trt.runtime.backends.base import make_backend
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
         manifest = load_manifest(artifact_dir)
-        be = make_backend(backend, artifact_dir, manifest)
+        be = make_backend(backend, artifact_dir, manifest, **(backend_options or {}))
+        if backend_options:
+            backend = ".".join([backend, *(str(v).replace(":", "") for _, v in sorted(backend_options.items()))])
         tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
         rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate)
         if profile != "none":

@@ -17,15 +17,19 @@ class Backend(Protocol):
         ...
 
 
-def make_backend(name: str, artifact_dir, manifest: dict):
+def make_backend(name: str, artifact_dir, manifest: dict, **options):
+    """options: backend-specific (torch: device="cuda", dtype="fp16"); the others take none."""
     from dspark_trt.errors import DsparkError
+
+    if options and name != "torch":
+        raise DsparkError(f"the {name} backend takes no options (got {', '.join(sorted(options))})")
 
     if name == "ort":
         from dspark_trt.runtime.backends.ort import OrtBackend
         return OrtBackend(artifact_dir, manifest)
     if name == "torch":
         from dspark_trt.runtime.backends.torch_backend import TorchBackend
-        return TorchBackend(artifact_dir, manifest)
+        return TorchBackend(artifact_dir, manifest, **options)
     if name == "trt":
         from dspark_trt.runtime.backends.trt import TrtBackend
         return TrtBackend(artifact_dir, manifest)

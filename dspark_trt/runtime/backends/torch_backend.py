@@ -1,4 +1,10 @@
-"""Eager torch backend: the numerical reference, running the same modules the graphs were exported from."""
+"""Eager torch backend: the numerical reference, running the same modules the graphs were exported from.
+
+`device` ("cpu", "cuda", "cuda:1") and `dtype` ("fp32", "fp16", "bf16"; default: the manifest's) choose
+where and in what precision the modules run. The runtime's interface stays numpy: inputs and the past KV
+entries go to the device (the KV entries in the module dtype), outputs come back as numpy, floating ones as float32
+(numpy has no bfloat16; the host KV cache keeps the manifest's dtype and casts on write).
+"""
 
 from __future__ import annotations
 
@@ -8,11 +14,13 @@ import numpy as np
 
 from dspark_trt.errors import DsparkError
 
+DTYPES = ("fp32", "fp16", "bf16")
+
 
 class TorchBackend:
     name = "torch"
 
-    def __init__(self, artifact_dir, manifest: dict):
+    def __init__(self, artifact_dir, manifest: dict, device: str = "cpu", dtype: str | None = None):
         try:
             import torch
         except ImportError:
@@ -24,17 +32,35 @@ class TorchBackend:
             if not sources.get(key) or not Path(sources[key]).is_dir():
                 raise DsparkError(f"the torch backend loads the source checkpoints, and the {key} directory "
                                   f"{sources.get(key)!r} recorded in the manifest is not there: use --backend ort")
+        self.device = check_device(torch, device)
+        self.dtype = dtype or manifest["model"]["dtype"]
+        if self.dtype not in DTYPES:
+            raise DsparkError(f"torch backend dtype {self.dtype!r}: choose one of {', '.join(DTYPES)}")
+        if self.dtype == "fp16" and self.device.type == "cpu":
+            raise DsparkError("the torch backend runs fp16 on CUDA only (CPU kernels lack half precision "
+                              "coverage): use dtype fp32 or bf16 on CPU, or device cuda")
         self.torch = torch
-        self.draft, self.target = build_steps(manifest)
+        steps_manifest = dict(manifest, model=dict(manifest["model"], dtype=self.dtype))
+        self.draft, self.target = (m.to(self.device) for m in build_steps(steps_manifest))
         self.num_layers = {"draft": manifest["draft"]["num_layers"], "target": manifest["model"]["num_layers"]}
+        self._float = next(self.target.parameters()).dtype
+
+    def _to_device(self, a: np.ndarray, kv: bool = False):
+        t = self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        return t.to(self._float) if kv else t  # the graphs' other float inputs are float32 at any dtype
+
+    def _to_host(self, t) -> np.ndarray:
+        t = t.detach()
+        if t.is_floating_point() and t.dtype != self.torch.float64:
+            t = t.float()
+        return t.cpu().numpy()
 
     def _run(self, module, outputs: list[str], n_layers: int, input_names: list[str], feeds, past):
-        torch = self.torch
-        args = [torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in input_names]
-        args += [torch.from_numpy(p) for p in past]
-        with torch.no_grad():
+        args = [self._to_device(feeds[name]) for name in input_names]
+        args += [self._to_device(p, kv=True) for p in past]
+        with self.torch.no_grad():
             outs = module(*args)
-        outs = [o.numpy() for o in outs]
+        outs = [self._to_host(o) for o in outs]
         named = dict(zip(outputs, outs[:len(outputs)]))
         present = outs[len(outputs):len(outputs) + 2 * n_layers]
         return named, present
@@ -48,3 +74,20 @@ class TorchBackend:
         from dspark_trt.exporter.graphs import TARGET_INPUTS, TARGET_OUTPUTS
 
         return self._run(self.target, TARGET_OUTPUTS, self.num_layers["target"], TARGET_INPUTS, feeds, past)
+
+
+def check_device(torch, device):
+    """torch.device, or a one-line DsparkError when it is not usable here."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise DsparkError(f"torch backend device {device!r}: use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DsparkError(f"torch backend device {device!r}: torch {torch.__version__} sees no CUDA GPU "
+                              f"(a CPU build of torch, or no NVIDIA driver)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DsparkError(f"CUDA device {dev.index} does not exist (torch sees {torch.cuda.device_count()})")
+    elif dev.type != "cpu":
+        raise DsparkError(f"torch backend device {device!r}: use cpu, cuda or cuda:N")
+    return dev

@@ -13,8 +13,9 @@ a plain function with unit tests):
   shape is set; -1 where still unknown), `context.set_tensor_address(name, ptr)` -> bool,
   `context.execute_async_v3(stream_handle)` -> bool (enqueueV3, 8.5+; asynchronous on the stream).
 - Engines built with JIT Python plugins call back into `dspark_trt.plugins.tensorrt_plugins`, which must
-  be imported before deserializing (manifest `engines.<graph>.plugin_mode == "jit"`); AOT engines carry
-  their kernels and need no Python.
+  be imported before deserializing (manifest `engines.<graph>.plugin_mode == "jit"`; only its JIT
+  implementation is registered, see `plugins_for`); AOT engines carry their kernels and need no Python.
+- TensorRT import, logger and GPU facts come from `dspark_trt.trt_env` (shared with the builder).
 
 Device memory is PyTorch's (see device_kv.py for why): the runtime gets `make_kv_cache` -> DeviceKVCache,
 whose `past()` views are bound to the engines by address with no copy, and whose `write()` scatters the
@@ -28,8 +29,6 @@ CUDA build of torch next to it (the `export` extra).
 
 from __future__ import annotations
 
-import importlib
-import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,11 +42,6 @@ from dspark_trt.runtime.backends.device_kv import ALIGN_BYTES, PresentList, alig
 GRAPHS = ("draft", "target")
 PAST_PREFIX = "past_key_values."
 PRESENT_PREFIX = "present."
-
-
-def not_installed_message(artifact_dir) -> str:
-    return (f"the trt backend needs TensorRT, which is not installed: pip install 'dspark-trt[trt]' on a machine "
-            f"with an NVIDIA GPU, then build the engines there with `dspark-trt build {artifact_dir}`")
 
 
 def no_engines_message(artifact_dir) -> str:
@@ -482,20 +476,6 @@ class GraphRunner:
 # ============================================================================ the backend
 
 
-def import_tensorrt(artifact_dir="ARTIFACT_DIR"):
-    """Import tensorrt or raise the one-line DsparkError that says how to get it."""
-    try:
-        import tensorrt as trt  # noqa: PLC0415 - lazy by design
-    except ModuleNotFoundError as e:
-        if (e.name or "tensorrt").split(".")[0] in ("tensorrt", "tensorrt_libs", "tensorrt_bindings"):
-            raise DsparkError(not_installed_message(artifact_dir)) from None
-        raise DsparkError(f"TensorRT failed to import ({e}): reinstall with pip install 'dspark-trt[trt]'") from None
-    except (ImportError, OSError) as e:
-        raise DsparkError(f"TensorRT is installed but failed to load ({' '.join(str(e).split())}): check the NVIDIA "
-                          f"driver and the TensorRT libraries (pip install 'dspark-trt[trt]')") from None
-    return trt
-
-
 def import_torch_cuda(device: int = 0):
     """torch with a usable CUDA device, or a one-line DsparkError."""
     try:
@@ -509,6 +489,31 @@ def import_torch_cuda(device: int = 0):
     if device >= torch.cuda.device_count():
         raise DsparkError(f"CUDA device {device} does not exist (torch sees {torch.cuda.device_count()})")
     return torch
+
+
+def plugins_for(selected: Mapping[str, tuple[Path, Mapping]], where: str):
+    """The plugin module, registered for the engines about to be deserialized (None when none needs it).
+
+    JIT-plugin engines call back into it. Only its JIT implementation is registered: TensorRT's creator
+    then builds the JIT plugin for any creation request the runtime passes at deserialization (the open
+    sources do not say which; with both registered an UNKNOWN request would fail)."""
+    from dspark_trt import trt_env
+    from dspark_trt.runtime.engine_check import needs_plugin_module
+
+    if not any(needs_plugin_module(entry) for _, entry in selected.values()):
+        return None
+    return trt_env.load_plugins(("jit",), purpose=f"rebuild with `dspark-trt build {where}` (AOT plugins need "
+                                                  f"no Python)")
+
+
+def deserialize_failure(graph: str, path, where: str, errors, plugin_impls) -> str:
+    """The one line for an engine TensorRT would not deserialize."""
+    first = f": {errors[0]}" if errors else " (see the TensorRT log above)"
+    if "aot" in plugin_impls and "jit" in plugin_impls:
+        return (f"TensorRT could not load the {graph} engine {path}{first}; this process also registered the AOT "
+                f"dspark plugins, so the JIT plugins may have been refused: load JIT engines in a fresh process, "
+                f"or rebuild with `dspark-trt build {where}` (AOT)")
+    return f"TensorRT could not load the {graph} engine {path}{first}: rebuild with `dspark-trt build {where}`"
 
 
 def engine_io(trt, engine) -> list[tuple[str, bool, str]]:
@@ -525,36 +530,27 @@ class TrtBackend:
     name = "trt"
 
     def __init__(self, artifact_dir, manifest, device: int = 0):
-        from dspark_trt.runtime.engine_check import PLUGIN_MODULE, detect_gpu, needs_plugin_module
+        from dspark_trt import trt_env
 
         where = str(artifact_dir)
-        trt = import_tensorrt(where)
-        gpu = detect_gpu(device)
+        trt = trt_env.import_tensorrt(trt_env.backend_not_installed(where))
+        gpu = trt_env.detect_gpu(device)
         if gpu is None:
-            raise DsparkError("the trt backend needs an NVIDIA GPU and none was found (no driver, or "
-                              "CUDA_VISIBLE_DEVICES hides it)")
-        selected = select_engines(manifest, artifact_dir, str(getattr(trt, "__version__", "unknown")),
-                                  gpu.compute_capability)
+            raise DsparkError(trt_env.BACKEND_NEEDS_GPU)
+        selected = select_engines(manifest, artifact_dir, trt_env.tensorrt_version(trt), gpu.compute_capability)
         torch = import_torch_cuda(device)
-        if any(needs_plugin_module(entry) for _, entry in selected.values()):
-            try:
-                importlib.import_module(PLUGIN_MODULE)
-            except Exception as e:
-                raise DsparkError(f"the engines were built with JIT plugins, and {PLUGIN_MODULE} failed to load "
-                                  f"({type(e).__name__}: {' '.join(str(e).split())}): fix it, or rebuild with "
-                                  f"`dspark-trt build {where}` (AOT plugins need no Python)") from None
+        plugins = plugins_for(selected, where)
         dev = torch.device("cuda", device)
         torch.cuda.set_device(dev)  # TensorRT then uses the same (primary) CUDA context as torch
-        level = trt.Logger.VERBOSE if os.environ.get("DSPARK_TRT_VERBOSE") else trt.Logger.WARNING
-        self._logger = trt.Logger(level)
+        self._logger = trt_env.make_logger(trt)
         self._trt_runtime = trt.Runtime(self._logger)
         self._engines = {}
         contexts = {}
         for g, (path, _entry) in selected.items():
             engine = self._trt_runtime.deserialize_cuda_engine(path.read_bytes())
             if engine is None:
-                raise DsparkError(f"TensorRT could not load the {g} engine {path} (see the TensorRT log above): "
-                                  f"rebuild with `dspark-trt build {where}`")
+                raise DsparkError(deserialize_failure(g, path, where, self._logger.errors,
+                                                      plugins.registered_impls() if plugins else ()))
             context = engine.create_execution_context()
             if context is None:
                 raise DsparkError(f"TensorRT could not create an execution context for the {g} engine (out of GPU "
