@@ -162,10 +162,12 @@ class Runtime:
         """Load an exported artifact. profile: "auto" (load cost_profile.json or measure one at start-up),
         "load" (must exist), or "none" (adaptive then uses a per-token cost estimate). recalibrate: correct
         the draft's survivals online from what verification accepts (survival_correction.py)."""
+        from dspark_trt.runtime.artifact_verify import verify_artifact
         from dspark_trt.runtime.backends.base import make_backend
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
         manifest = load_manifest(artifact_dir)
+        verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it
         be = make_backend(backend, artifact_dir, manifest)
         tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
         rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate)
