@@ -167,8 +167,8 @@ class Runtime:
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
         manifest = load_manifest(artifact_dir)
+        be = make_backend(backend, artifact_dir, manifest)  # first: says what to install or build, if anything
         verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it
-        be = make_backend(backend, artifact_dir, manifest)
         tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
         rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate)
         if profile != "none":
