@@ -33,12 +33,16 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--max-context", default=1024, type=click.IntRange(16, 1 << 20), help="Maximum context length.")
 @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16"]), help="Precision of the exported graphs.")
 @click.option("--force", is_flag=True, help="Overwrite an existing artifact directory.")
-def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, force):
+@click.option("--allow-large-draft", is_flag=True,
+              help="Export even when the draft has more parameters, layers or hidden width than the target.")
+def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, force,
+           allow_large_draft):
     """Export target and draft to ONNX with dspark custom ops, plus a manifest."""
     from dspark_trt.exporter.export import export_artifacts
 
     out = export_artifacts(target_dir, draft_dir, out_dir, head_dir=head_dir, max_draft=max_draft,
-                           max_batch=max_batch, max_context=max_context, dtype=dtype, overwrite=force)
+                           max_batch=max_batch, max_context=max_context, dtype=dtype, overwrite=force,
+                           allow_large_draft=allow_large_draft)
     click.echo(f"wrote {out}")
 
 
@@ -118,7 +122,8 @@ def profile(artifact_dir, backend, repeats):
 @click.option("--draft", "draft_dir", required=True, type=click.Path())
 @click.option("--data", required=True, type=click.Path(),
               help="Directory of text/code files, a JSONL of prompts, or stdlib:train / stdlib:heldout.")
-@click.option("--out", "out_dir", default=None, type=click.Path(), help="Where to write the head (default: the draft directory).")
+@click.option("--out", "out_dir", default=None, type=click.Path(),
+              help="New head directory to write (required; the model directories are never modified).")
 @click.option("--max-draft", default=7, type=click.IntRange(1, 32))
 @click.option("--steps", default=2000, type=click.IntRange(1))
 @click.option("--rank", default=64, type=click.IntRange(1), help="Rank of the previous-token embedding.")
@@ -133,7 +138,7 @@ def profile(artifact_dir, backend, repeats):
                    "sigmoid(w . [h ; s] + b) in the same exported form. A learned table overfits rare tokens "
                    "with little data (the bundled head uses --no-prev-embed).")
 @click.option("--seed", default=0, type=int)
-@click.option("--force", is_flag=True, help="Overwrite an existing head.")
+@click.option("--force", is_flag=True, help="Replace a head already in --out.")
 def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, labels, stats, num_contexts, prev_embed,
                seed, force):
     """Train the confidence head on real acceptance labels."""
@@ -152,18 +157,24 @@ def train_head(target_dir, draft_dir, data, out_dir, max_draft, steps, rank, lab
 @click.option("--head", "head_dir", default=None, type=click.Path(), help="Head directory (default: the draft directory).")
 @click.option("--data", required=True, type=click.Path(),
               help="Held-out directory of text/code files, a JSONL, or stdlib:heldout.")
+@click.option("--out", "out_dir", default=None, type=click.Path(),
+              help="New head directory for the calibrated head (required; --head is never modified).")
+@click.option("--force", is_flag=True, help="Replace a head already in --out.")
 @click.option("--report", default=None, type=click.Path(), help="Write the calibration report (JSON; PNGs beside it).")
 @click.option("--max-draft", default=7, type=click.IntRange(1, 32))
 @click.option("--contexts", "num_contexts", default=None, type=click.IntRange(1),
               help="Held-out contexts rolled out (per position n; ECE's sampling noise shrinks as 1/sqrt(n)) "
                    "[default: 2048].")
 @click.option("--seed", default=0, type=int)
-def calibrate(target_dir, draft_dir, head_dir, data, report, max_draft, num_contexts, seed):
-    """Sequential temperature scaling of the confidence head, with a report."""
+def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max_draft, num_contexts, seed):
+    """Sequential temperature scaling of the confidence head into a new head directory, with a report."""
     from dspark_trt.training.calibration import calibrate as run
+    from dspark_trt.training.head_output import check_head_out
 
+    if out_dir is None:
+        check_head_out(None, force, {}, "calibrate")  # the error that says to pass --out
     result = run(target_dir, draft_dir, data, head_dir=head_dir, report_path=report, max_draft=max_draft, seed=seed,
-                 num_contexts=num_contexts)
+                 num_contexts=num_contexts, out_dir=out_dir, overwrite=force)
     for line in result.table_lines():
         click.echo(line)
 
@@ -228,6 +239,12 @@ def main(argv=None) -> None:
         if debug:
             raise
         click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except OSError as e:  # the environment, not a bug: a full disk, a file removed underneath, no permission
+        if debug:
+            raise
+        where = f": {e.filename}" if e.filename else ""
+        click.echo(f"error: {e.strerror or e}{where} (run with --debug for the traceback)", err=True)
         sys.exit(1)
 
 

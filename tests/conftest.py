@@ -91,3 +91,30 @@ def tiny_artifact(tiny_pair, tmp_path_factory):
     out = tmp_path_factory.mktemp("artifact") / "tiny"
     return export_artifacts(tiny_pair[0], tiny_pair[1], out, max_draft=4, max_batch=8, max_context=256,
                             progress=False, debug_logits=True)
+
+
+@pytest.fixture
+def unwritable_dir(tmp_path):
+    """A directory nothing can be created in: mode 0555 for a normal user; for root (whom modes do not
+    stop) a sysfs path, which refuses new entries to everyone."""
+    import os
+
+    d = tmp_path / "readonly"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        (d / "probe").mkdir()
+    except OSError:
+        yield d
+        d.chmod(0o755)
+        return
+    (d / "probe").rmdir()
+    d.chmod(0o755)
+    sysfs = Path("/sys/kernel")
+    try:
+        (sysfs / "dspark-probe").mkdir()
+    except OSError:
+        if os.path.isdir(sysfs):
+            yield sysfs
+            return
+    pytest.skip("no directory here refuses writes")

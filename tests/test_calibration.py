@@ -165,15 +165,22 @@ def trained(tmp_path_factory):
     return root
 
 
-def test_calibrate_cli_writes_report_pngs_and_temperatures(trained, tmp_path, monkeypatch):
+def snapshot(d):
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_calibrate_cli_writes_a_new_head_report_and_pngs(trained, tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "DEFAULT_CONTEXTS", 160)
     monkeypatch.setattr(calibration, "DEFAULT_CONTEXT_LEN", 24)
     report = tmp_path / "reports" / "cal.json"
+    inputs = {name: snapshot(trained / name) for name in ("target", "draft", "head", "heldout")}
+    out = tmp_path / "calibrated"
     res = CliRunner().invoke(cli, ["calibrate", "--target", str(trained / "target"), "--draft",
                                    str(trained / "draft"), "--head", str(trained / "head"), "--data",
-                                   str(trained / "heldout"), "--report", str(report), "--max-draft", "3"])
+                                   str(trained / "heldout"), "--out", str(out), "--report", str(report),
+                                   "--max-draft", "3"])
     assert res.exit_code == 0, res.output + repr(res.exception)
-    assert "| k | T_k |" in res.output and "report:" in res.output
+    assert "| k | T_k |" in res.output and "report:" in res.output and f"calibrated head: {out}" in res.output
 
     data = json.loads(report.read_text())
     assert set(data) == {"positions", "fallback", "summary"}
@@ -192,32 +199,87 @@ def test_calibrate_cli_writes_report_pngs_and_temperatures(trained, tmp_path, mo
         png = report.parent / f"cal_k{k}.png"
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # The calibrated head is the input's weights with the new temperatures; no input changed.
     temps = [p["temperature"] for p in data["positions"]]
-    assert load_head(trained / "head").temperatures == pytest.approx(temps)
-    meta = json.loads((trained / "head" / HEAD_CONFIG).read_text())
+    assert load_head(out).temperatures == pytest.approx(temps)
+    assert (out / "confidence_head.safetensors").read_bytes() == (trained / "head" / "confidence_head.safetensors").read_bytes()
+    meta = json.loads((out / HEAD_CONFIG).read_text())
     assert "training" in meta  # calibration keeps the training record
+    assert {name: snapshot(trained / name) for name in inputs} == inputs
+    assert sorted(p.name for p in out.parent.iterdir()) == ["calibrated", "reports"]  # no staging left behind
 
-    # Deterministic: the same seed gives the same report.
+    # Deterministic: the same seed gives the same temperatures (nothing written without out_dir).
     again = calibration.calibrate(trained / "target", trained / "draft", trained / "heldout",
-                                  head_dir=trained / "head", max_draft=3, progress=False, save=False)
-    assert again.temperatures == pytest.approx(temps)
+                                  head_dir=trained / "head", max_draft=3, progress=False)
+    assert again.temperatures == pytest.approx(temps) and again.head_path is None
+
+    # An existing --out is replaced only with --force.
+    args = ["calibrate", "--target", str(trained / "target"), "--draft", str(trained / "draft"), "--head",
+            str(out), "--data", str(trained / "heldout"), "--out", str(out), "--max-draft", "3"]
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 1 and "is the --head directory" in str(res.exception)
+    args[-3] = str(tmp_path / "again")
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / HEAD_CONFIG).write_text("{}")
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 1 and "--force" in str(res.exception)
+    res = CliRunner().invoke(cli, args + ["--force"])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    assert load_head(tmp_path / "again").temperatures == pytest.approx(temps)
 
 
-def test_calibrate_fewer_positions_keeps_later_temperatures(trained):
+def test_calibrate_fewer_positions_keeps_later_temperatures(trained, tmp_path):
     from dspark_trt.models.confidence_head import save_temperatures
 
-    save_temperatures(trained / "head", [1.0, 1.0, 7.5])
-    res = calibration.calibrate(trained / "target", trained / "draft", trained / "heldout",
-                                head_dir=trained / "head", max_draft=2, num_contexts=64, context_len=16,
-                                progress=False)
+    head = tmp_path / "head"
+    head.mkdir()
+    for name in ("confidence_head.safetensors", HEAD_CONFIG):
+        (head / name).write_bytes((trained / "head" / name).read_bytes())
+    save_temperatures(head, [1.0, 1.0, 7.5])
+    res = calibration.calibrate(trained / "target", trained / "draft", trained / "heldout", head_dir=head,
+                                max_draft=2, num_contexts=64, context_len=16, progress=False,
+                                out_dir=tmp_path / "out")
     assert len(res.positions) == 2
-    assert load_head(trained / "head").temperatures[2] == 7.5
+    assert load_head(tmp_path / "out").temperatures[2] == 7.5
+    assert load_head(head).temperatures == [1.0, 1.0, 7.5]  # the input head is left as it was
     with pytest.raises(DsparkError, match="max-draft"):
         calibration.calibrate(trained / "target", trained / "draft", trained / "heldout",
-                              head_dir=trained / "head", max_draft=5, progress=False)
+                              head_dir=head, max_draft=5, progress=False)
 
 
 def test_calibrate_without_head_names_train_head(trained, tmp_path):
     with pytest.raises(DsparkError, match="train-head"):
         calibration.calibrate(trained / "target", trained / "draft", trained / "heldout", head_dir=tmp_path,
                               progress=False)
+
+
+def test_calibrate_refuses_data_too_small_saying_how_many_contexts(trained, tmp_path):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "one.txt").write_text("def")
+    with pytest.raises(DsparkError, match=r"too small to calibrate on: .* hold \d+ distinct contexts .* at least 256"):
+        calibration.calibrate(trained / "target", trained / "draft", tmp_path / "tiny", head_dir=trained / "head", max_draft=3,
+                              out_dir=tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibrate_checks_report_and_out_before_any_work(trained, tmp_path, unwritable_dir, monkeypatch):
+    from dspark_trt.training import rollout
+
+    def no_work(*a, **k):
+        raise AssertionError("rolled out before checking the destinations")
+
+    monkeypatch.setattr(rollout, "rollout_from_dirs", no_work)
+    base = ["calibrate", "--target", str(trained / "target"), "--draft", str(trained / "draft"), "--head",
+            str(trained / "head"), "--data", str(trained / "heldout")]
+    res = CliRunner().invoke(cli, base + ["--out", str(tmp_path / "h"), "--report", str(unwritable_dir / "r.json")])
+    assert res.exit_code == 1 and "--report" in str(res.exception) and "cannot be written" in str(res.exception)
+    (tmp_path / "file").write_text("x")
+    res = CliRunner().invoke(cli, base + ["--out", str(tmp_path / "h"), "--report", str(tmp_path / "file" / "r.json")])
+    assert res.exit_code == 1 and "is a file, not a directory" in str(res.exception)
+    res = CliRunner().invoke(cli, base + ["--out", str(tmp_path / "file" / "h")])
+    assert res.exit_code == 1 and "--out" in str(res.exception) and "is a file" in str(res.exception)
+    res = CliRunner().invoke(cli, base + ["--out", str(trained / "draft"), "--force"])
+    assert res.exit_code == 1 and "is the --draft directory" in str(res.exception)
+    res = CliRunner().invoke(cli, base)
+    assert res.exit_code == 1 and "pass --out DIR" in str(res.exception)
+    assert not (tmp_path / "h").exists()

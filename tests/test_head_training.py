@@ -250,12 +250,35 @@ def test_train_head_cli_end_to_end_and_force(pair, tmp_path, small_defaults):
     assert res.exit_code != 0 and "unknown draft statistic 'nope'" in str(res.exception)
 
 
-def test_default_out_is_the_draft_dir(tmp_path, small_defaults):
+def snapshot(d):
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def test_train_head_never_writes_into_its_inputs(tmp_path, small_defaults):
     p = make_pair(tmp_path, seed=2)
-    path = train_head(p / "target", p / "draft", p / "data", max_draft=2, steps=5, rank=2, progress=False)
-    assert path == p / "draft" / HEAD_WEIGHTS and (p / "draft" / HEAD_CONFIG).is_file()
-    with pytest.raises(DsparkError, match="--force"):
+    before = {name: snapshot(p / name) for name in ("target", "draft", "data")}
+    with pytest.raises(DsparkError, match="pass --out DIR"):
         train_head(p / "target", p / "draft", p / "data", max_draft=2, steps=5, rank=2, progress=False)
+    with pytest.raises(DsparkError, match="is the --draft directory"):
+        train_head(p / "target", p / "draft", p / "data", out_dir=p / "draft", overwrite=True, max_draft=2, steps=5,
+                   progress=False)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(DsparkError, match="not a confidence head"):  # a model directory, even with --force
+        train_head(p / "target", p / "draft", p / "data", out_dir=tmp_path / "model", overwrite=True,
+                   max_draft=2, steps=5, progress=False)
+    path = train_head(p / "target", p / "draft", p / "data", out_dir=tmp_path / "head", max_draft=2, steps=5, rank=2,
+                      progress=False)
+    assert path == tmp_path / "head" / HEAD_WEIGHTS and (tmp_path / "head" / HEAD_CONFIG).is_file()
+    assert {name: snapshot(p / name) for name in before} == before
+    assert not [q.name for q in tmp_path.iterdir() if q.name.startswith(".head-")]  # no staging left behind
+
+
+def test_train_head_refuses_data_too_small(pair, tmp_path):
+    (tmp_path / "one.txt").write_text("def")
+    with pytest.raises(DsparkError, match=r"too small to train a head on: .* hold \d+ distinct contexts .* at least 256"):
+        train_head(pair / "target", pair / "draft", tmp_path / "one.txt", out_dir=tmp_path / "h", progress=False)
+    assert not (tmp_path / "h").exists()
 
 
 def test_head_is_deterministic_for_a_seed(pair, tmp_path, small_defaults):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.exporter.draft_check import check_draft_cheaper
+from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -93,7 +94,7 @@ def manifest_facts(target_dir, draft_dir, head_dir, temperatures, max_draft: int
 
 def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: int = 7, max_batch: int = 64,
                      max_context: int = 1024, dtype: str = "fp32", overwrite: bool = False,
-                     debug_logits: bool = False, progress: bool = True) -> Path:
+                     debug_logits: bool = False, progress: bool = True, allow_large_draft: bool = False) -> Path:
     import torch
     from tqdm import tqdm
 
@@ -110,6 +111,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         head_dir = draft_dir
     if head_dir is not None and not Path(head_dir).is_dir():
         raise DsparkError(f"--head directory {head_dir} does not exist")
+    check_out_dir(out_dir, "--out")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DsparkError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
     check_same_vocab(target_dir, draft_dir)
@@ -117,6 +119,8 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     if not tok_src.is_file():
         raise DsparkError(f"no tokenizer.json in {target_dir}: the artifact needs the target's tokenizer")
     tcfg, dcfg = load_config(target_dir), load_config(draft_dir)
+    if not allow_large_draft:
+        check_draft_cheaper(tcfg, dcfg, target_dir, draft_dir)
     if max_context > tcfg.max_position_embeddings:
         raise DsparkError(f"--max-context {max_context} exceeds the target's max_position_embeddings "
                           f"{tcfg.max_position_embeddings}")
@@ -126,9 +130,11 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     draft_step, target_step, head = load_steps(target_dir, draft_dir, head_dir, dtype, max_draft, debug_logits)
     bar.update()
     # Write into a temporary directory next to the destination, then move into place: a failed export
-    # never leaves a half-written artifact, and an existing one is replaced only when asked.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent))
+    # never leaves a half-written artifact, and an existing one is replaced only when asked. The temporary
+    # directory is locked while this export runs (ones a killed export left behind are removed) and has
+    # the user's normal permissions.
+    staging = Staging(out_dir.parent, ".export-")
+    tmp = staging.path
     try:
         tdt = torch_dtype(dtype)
         bar.set_postfix_str("draft.onnx")
@@ -151,13 +157,10 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
             manifest["files"][name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         bar.update()
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        replace_dir(tmp, out_dir)
         bar.update()
     finally:
         bar.close()
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        staging.close()
     del torch
     return out_dir

@@ -88,10 +88,23 @@ def check_same_vocab(target_dir: str | Path, draft_dir: str | Path) -> None:
         raise DsparkError(f"draft vocab_size {d.vocab_size} differs from target vocab_size {t.vocab_size}: "
                           "the draft must use the target's tokenizer")
     tt, dt = Path(target_dir) / "tokenizer.json", Path(draft_dir) / "tokenizer.json"
-    if tt.is_file() and dt.is_file() and _vocab_of(tt) != _vocab_of(dt):
+    vt = _vocab_of(tt) if tt.is_file() else None
+    vd = _vocab_of(dt) if dt.is_file() else None
+    if vt is not None and vd is not None and vt != vd:
         raise DsparkError(f"{dt} and {tt} define different vocabularies: the draft must use the target's tokenizer")
 
 
 def _vocab_of(path: Path) -> dict:
-    data = json.loads(path.read_text())
-    return data.get("model", {}).get("vocab", {})
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise DsparkError(f"{path} is not a valid tokenizer.json (not UTF-8 text: {e.reason}): restore it from "
+                          f"the model's source") from None
+    except json.JSONDecodeError as e:
+        raise DsparkError(f"{path} is not a valid tokenizer.json (line {e.lineno}, column {e.colno}: {e.msg}): "
+                          f"restore it from the model's source") from None
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        raise DsparkError(f"{path} is not a valid tokenizer.json (no 'model' object): restore it from the "
+                          f"model's source")
+    return model.get("vocab", {})

@@ -75,10 +75,11 @@ def run_generate(artifact_dir, prompts, prompts_file, backend="ort", spec="adapt
             summary["identical_to_off"] = all(baseline["identical"])
     if as_json:
         echo(json.dumps({"results": [r.to_dict() for r in results], "summary": summary}, indent=2))
+        raise_if_failed(results)
         return summary
-    for r in results:
+    for i, r in enumerate(results):
         if r.error:
-            echo(f"--- prompt {r.prompt!r}: error: {r.error}")
+            echo(f"--- prompt {i + 1} {preview(r.prompt)}: failed (error below)")
             continue
         echo(f"--- {r.prompt!r}")
         echo(r.prompt + r.text if isinstance(r.prompt, str) else r.text)
@@ -90,4 +91,23 @@ def run_generate(artifact_dir, prompts, prompts_file, backend="ort", spec="adapt
         if temperature == 0:
             line += "; output identical to no speculation" if summary["identical_to_off"] else "; OUTPUT DIFFERS"
     echo(line)
+    raise_if_failed(results)
     return summary
+
+
+def preview(prompt, limit: int = 40) -> str:
+    """A prompt as the output names it: its start, never the whole of a long one."""
+    if not isinstance(prompt, str):
+        return f"({len(prompt)} token ids)"
+    if len(prompt) <= limit:
+        return repr(prompt)
+    return f"{prompt[:limit]!r}... ({len(prompt)} characters)"
+
+
+def raise_if_failed(results) -> None:
+    """generate exits 1 when any prompt failed: one error line naming the prompts by number."""
+    failed = [(i + 1, r) for i, r in enumerate(results) if r.error]
+    if not failed:
+        return
+    detail = "; ".join(f"prompt {n}: {r.error}" for n, r in failed)
+    raise DsparkError(f"{len(failed)} of {len(results)} prompts failed: {detail}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import re
 from dataclasses import dataclass, field
 
 from dspark_trt.errors import DsparkError
@@ -22,7 +24,7 @@ def spec_syntax(spec: str) -> SpecMode:
     s = str(spec).strip().lower()
     if s in ("off", "adaptive"):
         return SpecMode(s)
-    if s.startswith("fixed:") and s[6:].isdigit():
+    if re.fullmatch(r"fixed:[0-9]+", s):  # ASCII digits only: "²".isdigit() is True, int("²") fails
         return SpecMode("fixed", int(s[6:]))
     raise DsparkError(f"spec {spec!r} is not one of off, fixed:K, adaptive")
 
@@ -52,4 +54,6 @@ class GenerationConfig:
             raise DsparkError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise DsparkError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) or self.seed < 0):
+            raise DsparkError(f"seed must be an integer >= 0, got {self.seed!r}")
         return parse_spec(self.spec, max_draft)

@@ -17,6 +17,8 @@ PROFILE_PAST = 128
 TIMING = "call+kv-write;shapes"
 CHEAP_MS = 5.0  # calls faster than this are timed several times per measurement (median)
 MAX_INNER = 7
+SHAPE_ROUNDS = 3  # rounds of call-shape timings, at least
+SHAPE_QUANTILE = 25  # percentile of a shape's timings kept (see measure)
 
 
 def profile_path(artifact_dir, backend: str) -> Path:
@@ -84,7 +86,7 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
     max_tokens = max_tokens or min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     max_batch = max_batch or rt.slots_total
 
-    def timer(run, make_feeds, cache, past_of=lambda size: PROFILE_PAST):
+    def timer(run, make_feeds, cache, past_of=lambda size: PROFILE_PAST, all_times: bool = False):
         # The full call as the runtime makes it: engine run plus writing the new KV entries back (the
         # runtime's drift correction observes the same span, with packing the feeds).
         def once(feeds, past) -> float:
@@ -96,11 +98,14 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
         def ms(size: int) -> float:
             # A call of a millisecond or two is at the mercy of one scheduler hiccup: time cheap calls a
             # few times over and keep their median, so every measurement point weighs ~CHEAP_MS of work.
+            # How many times follows the fastest timing so far, not the first: on a loaded machine the
+            # first timing of a 0.3 ms call can take 3 ms (a preempted thread), and judging by it left
+            # that point with one or two timings and a median 10x too high.
             feeds, past = make_feeds(rt, size), cache.past(past_of(size))
             times = [once(feeds, past)]
-            extra = min(MAX_INNER - 1, math.ceil(CHEAP_MS / max(times[0], 1e-3)) - 1)
-            times += [once(feeds, past) for _ in range(max(0, extra))]
-            return float(np.median(times))
+            while len(times) < min(MAX_INNER, math.ceil(CHEAP_MS / max(min(times), 1e-3))):
+                times.append(once(feeds, past))
+            return times if all_times else float(np.median(times))
         return ms
 
     time_verify = timer(rt.backend.run_target, _verify_feeds, rt.target_kv)
@@ -108,15 +113,28 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
     vp, dp = profile_points(time_verify, time_draft, max_tokens, max_batch, repeats, progress=progress, warmup=1)
     layouts = shape_layouts(rt)
     time_shape = timer(rt.backend.run_target, lambda rt, i: _packed_verify_feeds(rt, *layouts[i]), rt.target_kv,
-                       past_of=lambda i: layouts[i][1])
-    shapes = []
+                       past_of=lambda i: layouts[i][1], all_times=True)
     from tqdm.auto import tqdm  # lazy: keeps runtime import light
 
-    for i in tqdm(range(len(layouts)), desc="profiling call shapes", unit="shape", disable=not progress):
-        q, past = layouts[i]
-        time_shape(i)  # warm-up: the first call of a new shape pays allocations
-        ms = float(np.median([time_shape(i) for _ in range(max(1, repeats - 1))]))
-        shapes.append([sum(q), len(q), max(q), past, ms])
+    # The call-shape model is fitted to all shapes at once, so they are timed in the same conditions:
+    # round-robin over the shapes (as profile_points does for sizes), at least SHAPE_ROUNDS times, and
+    # each shape keeps a low quantile (SHAPE_QUANTILE) of all its timings. On a loaded machine other
+    # processes preempt the engine's threads, which only ever adds time and hits the multi-threaded
+    # (larger) calls hardest: one such shape, timed at 10x its cost, pulled the whole least-squares fit
+    # off (median error 0.7 with two busy processes on two cores; ~0.1 with the low quantile, loaded or
+    # not). The runtime's online drift correction (per call width) then follows the machine's real load.
+    rounds = max(SHAPE_ROUNDS, repeats - 1)
+    timings: list[list[float]] = [[] for _ in layouts]
+    with tqdm(total=len(layouts) * (rounds + 1), desc="profiling call shapes", unit="run",
+              disable=not progress) as bar:
+        for rnd in range(rounds + 1):
+            for i in range(len(layouts)):
+                times = time_shape(i)
+                if rnd:  # round 0 is the warm-up: the first call of a new shape pays allocations
+                    timings[i].extend(times)
+                bar.update(1)
+    shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, SHAPE_QUANTILE))]
+              for (q, past), t in zip(layouts, timings)]
     return CostTable.from_measurements(vp, dp, profile_meta(rt.manifest, rt.backend.name),
                                        max_tokens=max_tokens, max_batch=max_batch, shape_points=shapes)
 

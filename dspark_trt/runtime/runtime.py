@@ -164,11 +164,14 @@ class Runtime:
         "load" (must exist), or "none" (adaptive then uses a per-token cost estimate). recalibrate: correct
         the draft's survivals online from what verification accepts (survival_correction.py).
         backend_options: passed to the backend (torch: device, dtype); they also name its cost profile."""
+        from dspark_trt.runtime.artifact_verify import verify_artifact
         from dspark_trt.runtime.backends.base import make_backend
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
         manifest = load_manifest(artifact_dir)
+        # the backend first: it says what to install or build, if anything
         be = make_backend(backend, artifact_dir, manifest, **(backend_options or {}))
+        verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it
         if backend_options:
             backend = ".".join([backend, *(str(v).replace(":", "") for _, v in sorted(backend_options.items()))])
         tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))

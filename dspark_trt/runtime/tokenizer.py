@@ -13,7 +13,11 @@ class Tokenizer:
 
         if not Path(path).is_file():
             raise DsparkError(f"tokenizer file {path} is missing: re-export the artifact")
-        self._tok = HfTokenizer.from_file(str(path))
+        try:
+            self._tok = HfTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises its own exception type for a corrupt file
+            raise DsparkError(f"{path} is not a valid tokenizer file ({str(e).splitlines()[0][:200]}): "
+                              f"re-export the artifact") from None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

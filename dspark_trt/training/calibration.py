@@ -12,9 +12,9 @@ ECE uses 15 equal-width bins (metrics.py; "quantile" gives equal-mass bins). "Be
 (all T = 1), "after" the calibrated one. AUROC is always against the binary greedy prefix survival
 (rank-based, ties count 1/2). The fallback rows score the runtime's no-head survival prod_{i<=k} max q_i.
 
-The temperatures are written into the head's confidence_head.json (save_temperatures). With a report
-path, the report JSON is written there and one reliability diagram per position beside it:
-<report stem>_k<k>.png.
+The calibrated head (the same weights, the new temperatures in confidence_head.json) is written to a
+new head directory (`--out`, head_output.py); the input head is never modified. With a report path, the
+report JSON is written there and one reliability diagram per position beside it: <report stem>_k<k>.png.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ T_GRID_MIN, T_GRID_MAX, T_GRID_POINTS = 0.05, 20.0, 200
 TIE_TOLERANCE = 1e-4  # ECE differences below this are noise
 DEFAULT_CONTEXTS = 2048  # held-out contexts rolled out; x max_draft positions
 DEFAULT_CONTEXT_LEN = 128
+MIN_CONTEXTS = 256  # distinct held-out contexts needed (15-bin ECE on fewer measures mostly noise)
 
 
 def temperature_grid(lo: float = T_GRID_MIN, hi: float = T_GRID_MAX, points: int = T_GRID_POINTS) -> np.ndarray:
@@ -91,6 +92,7 @@ class CalibrationResult:
     summary: dict
     bins: dict = field(default_factory=dict)  # per k: {"before", "after", "fallback"} ReliabilityBins
     report_path: Path | None = None
+    head_path: Path | None = None  # the calibrated head directory written, if any
     figure_paths: list[Path] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -112,6 +114,8 @@ class CalibrationResult:
                      f"{f(s.get('tau_observed'), 2)}, predicted {f(s.get('tau_predicted'), 2)}")
         for w in s.get("warnings") or []:
             lines.append(f"warning: {w}")
+        if self.head_path is not None:
+            lines.append(f"calibrated head: {self.head_path}")
         if self.report_path is not None:
             lines.append(f"report: {self.report_path}")
         return lines
@@ -170,15 +174,20 @@ def calibrate_arrays(logits: np.ndarray, survived: np.ndarray, fallback_conf: np
 
 
 def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_draft: int = 7, seed: int = 0, *,
-              labels: str = "greedy", num_contexts: int | None = None, context_len: int | None = None, batch_size: int = 32,
-              n_bins: int = metrics.DEFAULT_BINS, strategy: str = "uniform", progress: bool = True,
-              save: bool = True) -> CalibrationResult:
-    """Calibrate the head in head_dir (default: the draft directory) on held-out `data`; saves the
-    temperatures into its confidence_head.json (unless save=False) and writes the optional report."""
+              out_dir=None, overwrite: bool = False, labels: str = "greedy", num_contexts: int | None = None,
+              context_len: int | None = None, batch_size: int = 32, n_bins: int = metrics.DEFAULT_BINS,
+              strategy: str = "uniform", progress: bool = True) -> CalibrationResult:
+    """Calibrate the head in head_dir (default: the draft directory) on held-out `data`. With `out_dir`, the
+    calibrated head (the same weights, the new temperatures) is written there as a new head directory
+    (atomically; an existing head there is replaced only with overwrite); the inputs are never modified.
+    With `report_path`, the report (and PNGs beside it) is written. Both destinations are checked before
+    any work, and so is the data (at least MIN_CONTEXTS distinct contexts)."""
     import time
 
-    from dspark_trt.models.checkpoint import load_decoder
     from dspark_trt.models.confidence_head import load_head, save_temperatures
+    from dspark_trt.models.config import load_config
+    from dspark_trt.outputs import check_out_file
+    from dspark_trt.training.head_output import check_head_out, copy_head, write_head_dir
     from dspark_trt.training.head_training import head_logits
     from dspark_trt.training.rollout import rollout_from_dirs
 
@@ -187,19 +196,24 @@ def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_
     if labels not in ("expected", "greedy"):
         raise DsparkError(f"unknown labels {labels!r} (use 'greedy' or 'expected')")
     head_dir = Path(head_dir) if head_dir is not None else Path(draft_dir)
+    out = None
+    if out_dir is not None:
+        out = check_head_out(out_dir, overwrite, {"--target": target_dir, "--draft": draft_dir, "--head": head_dir},
+                             "calibrate")
+    if report_path is not None:
+        check_out_file(report_path, "--report")
     head = load_head(head_dir)
     if max_draft > head.max_draft:
         raise DsparkError(f"--max-draft {max_draft} exceeds the head's max_draft {head.max_draft} "
                           f"(retrain the head with --max-draft {max_draft})")
     t0 = time.perf_counter()
-    draft = load_decoder(draft_dir)
-    if head.hidden_size != draft.config.hidden_size or head.vocab_size != draft.config.vocab_size:
+    dcfg = load_config(draft_dir)
+    if head.hidden_size != dcfg.hidden_size or head.vocab_size != dcfg.vocab_size:
         raise DsparkError(f"the head in {head_dir} was trained for hidden size {head.hidden_size} / vocab "
-                          f"{head.vocab_size}, the draft has {draft.config.hidden_size} / {draft.config.vocab_size}")
-    target = load_decoder(target_dir)
+                          f"{head.vocab_size}, the draft has {dcfg.hidden_size} / {dcfg.vocab_size}")
     ro = rollout_from_dirs(target_dir, draft_dir, data, num_contexts=num_contexts, max_draft=max_draft,
                            context_len=context_len, batch_size=batch_size, seed=seed, progress=progress,
-                           desc="rollout (calibrate)", models=(target, draft))
+                           desc="rollout (calibrate)", min_contexts=MIN_CONTEXTS, purpose="calibrate on")
     t1 = time.perf_counter()
     z = head_logits(head, ro.hidden, ro.prev_token, ro.stats_for(head.stats))
     result = calibrate_arrays(z, ro.survival(labels), ro.fallback_conf, ro.survival_greedy, n_bins, strategy,
@@ -209,10 +223,16 @@ def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_
     result.summary["head_labels"] = head_labels
     result.summary["warnings"] = bias_warnings(result, head_labels)
     result.summary.update({"data": str(data), "head_dir": str(head_dir), "seed": seed, "rollout": ro.info,
-                           "head_temperatures_saved": temps if save else None,
+                           "out_dir": str(out_dir) if out is not None else None,
+                           "head_temperatures_saved": temps if out is not None else None,
                            "seconds": {"rollout": round(t1 - t0, 2), "fit": round(time.perf_counter() - t1, 2)}})
-    if save:
-        save_temperatures(head_dir, temps)
+    if out is not None:
+        def write(tmp: Path) -> None:
+            copy_head(head_dir, tmp)
+            save_temperatures(tmp, temps)
+
+        write_head_dir(out, write)
+        result.head_path = Path(out_dir)
     if report_path is not None:
         write_report(result, report_path)
     return result

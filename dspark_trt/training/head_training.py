@@ -46,6 +46,7 @@ from dspark_trt.training import metrics
 
 DEFAULT_CONTEXTS = 4096  # rolled-out contexts; x max_draft labelled positions
 DEFAULT_CONTEXT_LEN = 128
+MIN_CONTEXTS = 256  # distinct contexts the training data must hold (fewer: memorised, not learned)
 
 @dataclass
 class FitStats:
@@ -249,13 +250,17 @@ def train_head(target_dir, draft_dir, data, out_dir=None, max_draft: int = 7, st
                labels: str = "expected", seed: int = 0, overwrite: bool = False, *, num_contexts: int | None = None,
                context_len: int | None = None, batch_size: int = 32, lr: float = 3e-3, stats=DEFAULT_STATS,
                prev_embed: bool = True, progress: bool = True) -> Path:
-    """Train the confidence head of the draft; writes confidence_head.safetensors + .json; returns the weights path.
+    """Train the confidence head of the draft into the new head directory `out_dir` (confidence_head.safetensors
+    + .json, written atomically; an existing head there is replaced only with overwrite); returns the weights
+    path. Never writes into the model directories.
 
     num_contexts x max_draft labelled positions are rolled out from `data` (see rollout.py).
     """
     import time
 
-    from dspark_trt.models.checkpoint import check_same_vocab, load_decoder
+    from dspark_trt.models.checkpoint import check_same_vocab
+    from dspark_trt.models.config import load_config
+    from dspark_trt.training.head_output import check_head_out, write_head_dir
     from dspark_trt.training.rollout import rollout_from_dirs
 
     num_contexts = num_contexts or DEFAULT_CONTEXTS
@@ -264,31 +269,32 @@ def train_head(target_dir, draft_dir, data, out_dir=None, max_draft: int = 7, st
     if labels not in ("expected", "greedy"):
         raise DsparkError(f"unknown --labels {labels!r} (use 'expected' or 'greedy')")
     stats = check_stats(stats)
-    out = Path(out_dir) if out_dir is not None else Path(draft_dir)
-    if (out / HEAD_WEIGHTS).exists() and not overwrite:
-        raise DsparkError(f"{out / HEAD_WEIGHTS} exists; pass --force to overwrite it")
+    out = check_head_out(out_dir, overwrite, {"--target": target_dir, "--draft": draft_dir}, "train-head")
     check_same_vocab(target_dir, draft_dir)
+    vocab_size = load_config(draft_dir).vocab_size
     t0 = time.perf_counter()
-    target, draft = load_decoder(target_dir), load_decoder(draft_dir)
     ro = rollout_from_dirs(target_dir, draft_dir, data, num_contexts=num_contexts, max_draft=max_draft,
                            context_len=context_len, batch_size=batch_size, seed=seed, progress=progress,
-                           desc="rollout (train)", models=(target, draft))
+                           desc="rollout (train)", min_contexts=MIN_CONTEXTS, purpose="train a head on")
     t1 = time.perf_counter()
     head, fit_stats = fit_head(ro.hidden, ro.prev_token, ro.labels(labels), ro.reach_weight(labels),
-                               vocab_size=draft.config.vocab_size, rank=rank, max_draft=max_draft, steps=steps,
+                               vocab_size=vocab_size, rank=rank, max_draft=max_draft, steps=steps,
                                seed=seed, lr=lr, greedy_match=ro.label_greedy, fallback_conf=ro.fallback_conf,
                                stats=ro.stats_for(stats), stat_names=stats, prev_embed=prev_embed, progress=progress)
     t2 = time.perf_counter()
-    path = head.save(out, overwrite=overwrite)
-    meta_path = out / HEAD_CONFIG
-    meta = json.loads(meta_path.read_text())
-    meta["training"] = {
-        "labels": labels, "conditional": True, "data": str(data), "seed": seed, "rank": rank, "stats": list(stats),
-        "prev_embed": bool(prev_embed),
-        "rollout": ro.info, "fit": fit_stats.to_dict(),
-        "acceptance_greedy": [float(v) for v in ro.label_greedy.mean(0)],
-        "acceptance_expected": [float(v) for v in ro.label_expected.mean(0)],
-        "tau_greedy": ro.tau("greedy"), "seconds": {"rollout": round(t1 - t0, 2), "fit": round(t2 - t1, 2)},
-    }
-    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-    return path
+
+    def write(tmp: Path) -> None:
+        head.save(tmp)
+        meta = json.loads((tmp / HEAD_CONFIG).read_text())
+        meta["training"] = {
+            "labels": labels, "conditional": True, "data": str(data), "seed": seed, "rank": rank,
+            "stats": list(stats), "prev_embed": bool(prev_embed),
+            "rollout": ro.info, "fit": fit_stats.to_dict(),
+            "acceptance_greedy": [float(v) for v in ro.label_greedy.mean(0)],
+            "acceptance_expected": [float(v) for v in ro.label_expected.mean(0)],
+            "tau_greedy": ro.tau("greedy"), "seconds": {"rollout": round(t1 - t0, 2), "fit": round(t2 - t1, 2)},
+        }
+        (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
+
+    write_head_dir(out, write)
+    return Path(out_dir) / HEAD_WEIGHTS

@@ -101,8 +101,13 @@ def load_tokenizer(*model_dirs):
     from tokenizers import Tokenizer
 
     for d in model_dirs:
-        if d is not None and (Path(d) / "tokenizer.json").is_file():
-            return Tokenizer.from_file(str(Path(d) / "tokenizer.json"))
+        path = Path(d) / "tokenizer.json" if d is not None else None
+        if path is not None and path.is_file():
+            try:
+                return Tokenizer.from_file(str(path))
+            except Exception as e:  # tokenizers raises its own exception type for a corrupt file
+                raise DsparkError(f"{path} is not a valid tokenizer file ({str(e).splitlines()[0][:200]}): "
+                                  f"restore it from the model's source") from None
     raise DsparkError(f"no tokenizer.json in {' or '.join(str(d) for d in model_dirs if d is not None)}")
 
 
@@ -263,16 +268,32 @@ def rollout(target, draft, stream: np.ndarray, num_contexts: int = 2048, max_dra
     )
 
 
+def distinct_contexts(stream_size: int, context_len: int, max_draft: int, max_pos: int) -> tuple[int, int]:
+    """(distinct contexts, shortest context length) `rollout` can draw from a stream of this many tokens:
+    one per token that ends a context of at least the shortest length (rollout's own bounds)."""
+    c_hi = min(int(context_len), max_pos - int(max_draft), int(stream_size))
+    if c_hi < 1:
+        return 0, 1
+    c_lo = max(1, c_hi // 4)
+    return int(stream_size) - c_lo + 1, c_lo
+
+
 def rollout_from_dirs(target_dir, draft_dir, data, num_contexts: int = 2048, max_draft: int = 7,
                       context_len: int = 128, batch_size: int = 32, seed: int = 0, progress: bool = True,
-                      desc: str = "rollout", models=None) -> Rollout:
+                      desc: str = "rollout", models=None, min_contexts: int = 0,
+                      purpose: str = "roll out") -> Rollout:
     """Load target, draft, tokenizer and texts (`corpus.load_texts`), then `rollout`.
 
-    models: optional (target, draft) already loaded, to skip loading.
+    models: optional (target, draft) already loaded, to skip loading; otherwise they are loaded after the
+    data is checked. min_contexts: refuse data with fewer distinct contexts (a DsparkError saying how many
+    it found and needs, "too small to {purpose}").
     """
     from dspark_trt.models.checkpoint import check_same_vocab, load_decoder
+    from dspark_trt.models.config import load_config
     from dspark_trt.training.corpus import load_texts
 
+    if not isinstance(seed, int) or seed < 0:
+        raise DsparkError(f"--seed must be an integer >= 0, got {seed!r}")
     check_same_vocab(target_dir, draft_dir)
     tok = load_tokenizer(draft_dir, target_dir)
     eos = eos_token_id(tok, draft_dir)
@@ -282,6 +303,13 @@ def rollout_from_dirs(target_dir, draft_dir, data, num_contexts: int = 2048, max
     # Enough text that contexts rarely overlap, without tokenizing a whole large corpus.
     budget = max(200_000, 8 * num_contexts * (context_len + max_draft))
     stream = tokenize_texts(tok, texts, eos, max_tokens=budget, seed=seed)
+    if min_contexts:
+        max_pos = min(load_config(target_dir).max_position_embeddings, load_config(draft_dir).max_position_embeddings)
+        found, shortest = distinct_contexts(stream.size, context_len, max_draft, max_pos)
+        if found < min_contexts:
+            raise DsparkError(f"--data {data} is too small to {purpose}: its {stream.size} tokens hold {found} "
+                              f"distinct contexts (one per token that ends a context of at least {shortest} "
+                              f"tokens), and at least {min_contexts} are needed; give more text")
     if models is None:
         target, draft = load_decoder(target_dir), load_decoder(draft_dir)
     else:
