@@ -22,7 +22,7 @@ def spec_syntax(spec: str) -> SpecMode:
     s = str(spec).strip().lower()
     if s in ("off", "adaptive"):
         return SpecMode(s)
-    if s.startswith("fixed:") and s[6:].isdigit():
+    if s.startswith("fixed:") and s[6:].isascii() and s[6:].isdigit():  # "²".isdigit() is True
         return SpecMode("fixed", int(s[6:]))
     raise DsparkError(f"spec {spec!r} is not one of off, fixed:K, adaptive")
 
@@ -52,4 +52,6 @@ class GenerationConfig:
             raise DsparkError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise DsparkError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not hasattr(self.seed, "__index__") or self.seed < 0:  # numpy's seeding refuses the rest
+            raise DsparkError(f"seed must be a non-negative integer, got {self.seed!r}")
         return parse_spec(self.spec, max_draft)
