@@ -254,6 +254,23 @@ def _log_to_stderr(level: str) -> None:
     logger.setLevel(level.upper())
 
 
+def _run_until_signalled(server, sock) -> None:
+    """server.run(), and exit status 0 after a SIGTERM's graceful shutdown (uvicorn re-raises the signal once
+    it has shut down, which would otherwise kill the process before the runtime is closed)."""
+    import signal
+
+    def stop_cleanly(signum, frame):
+        raise SystemExit(0)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop_cleanly) if main else None
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int = 8000,
           max_batch: int | None = None, max_queue: int | None = 256, model_name: str | None = None,
           log_level: str = "info", limits=None) -> None:
@@ -277,7 +294,7 @@ def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int
             template = app.state.chat_template.origin
             print(f"dspark-trt: serving {name} at {url} (OpenAI base URL {url}/v1; chat template: {template}; "
                   f"API key {'required' if limits.api_key else 'not required'})", flush=True)
-            server.run(sockets=[sock])
+            _run_until_signalled(server, sock)
         finally:
             rt.close()
     finally:
