@@ -319,6 +319,25 @@ def test_slow_clients_are_cut_off(rt):
         assert httpx.get(f"{srv.url}/health").status_code == 200  # and the server is fine
 
 
+def test_an_oversized_request_head_is_a_400_in_openai_shape(rt):
+    with ServerThread(create_app(rt, model_name=MODEL, limits=ServeLimits(max_header_bytes=4096))) as srv:
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 8000)  # no end of head in sight
+            s.settimeout(5.0)
+            reply = b""
+            while True:
+                chunk = s.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head, reply
+        err = json.loads(body)["error"]
+        assert err["code"] == "invalid_http_request" and "4096" in err["message"]
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        assert 'dspark_http_responses_total{code="400"} 1' in httpx.get(f"{srv.url}/metrics").text
+
+
 # ---------------------------------------------------------------------- item 7 (in process): access log
 def test_one_access_line_per_request(rt, server, caplog):
     n_prompt = len(rt.tokenizer.encode("def fib(n):"))

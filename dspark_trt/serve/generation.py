@@ -46,6 +46,10 @@ class ServerStats:
         self.decode_steps = 0  # decode steps, summed over finished requests
         self.cancelled = 0  # requests cancelled because their client went away (or the server stopped)
 
+    def count(self, status: int) -> None:
+        """One more response with this HTTP status."""
+        self.responses[status] = self.responses.get(status, 0) + 1
+
     def cancel(self) -> None:
         self.cancelled += 1
         self.finished["cancelled"] = self.finished.get("cancelled", 0) + 1

@@ -45,7 +45,7 @@ class HTTPGuard:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = int(message["status"])
-                self.stats.responses[status] = self.stats.responses.get(status, 0) + 1
+                self.stats.count(status)
             await send(message)
 
         try:

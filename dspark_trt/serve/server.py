@@ -206,8 +206,10 @@ class ServerThread:
         self.host, self.port = host, self.sock.getsockname()[1]
         state = getattr(app, "state", None)
         drain = getattr(state, "drain", None)
+        stats = getattr(state, "stats", None)
         self.server = make_server(app, self.sock, getattr(state, "limits", None) or ServeLimits(), log_level,
-                                  on_exit=drain.begin if drain is not None else None)
+                                  on_exit=drain.begin if drain is not None else None,
+                                  on_bad_request=stats.count if stats is not None else None)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="dspark-uvicorn")
 
@@ -289,7 +291,8 @@ def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int
             name = model_name or Path(artifact_dir).resolve().name
             app = create_app(rt, model_name=name, limits=limits)
             _log_to_stderr(log_level)
-            server = make_server(app, sock, limits, log_level, on_exit=app.state.drain.begin)
+            server = make_server(app, sock, limits, log_level, on_exit=app.state.drain.begin,
+                                 on_bad_request=app.state.stats.count)
             url = _url(*sock.getsockname()[:2])
             template = app.state.chat_template.origin
             print(f"dspark-trt: serving {name} at {url} (OpenAI base URL {url}/v1; chat template: {template}; "
