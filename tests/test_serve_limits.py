@@ -245,6 +245,25 @@ def test_errors_keep_the_connection_and_every_status_is_counted(rt, server, monk
         assert f'dspark_http_responses_total{{code="{code}"}}' in metrics, code
 
 
+def test_a_bug_mid_stream_ends_the_stream_with_an_error_event(server, monkeypatch):
+    from dspark_trt.serve.text import TextStream
+
+    def broken(self, ids):
+        raise RuntimeError("decoder exploded")
+
+    monkeypatch.setattr(TextStream, "push", broken)
+    body = {"prompt": "def fib(n):", "max_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            events = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+        assert err["type"] == "server_error" and "decoder exploded" in err["message"]
+        monkeypatch.undo()
+        assert c.post(f"{server.url}/v1/completions", json={**body, "stream": False}).status_code == 200
+
+
 # ---------------------------------------------------------------------- item 5: API key, timeouts
 def test_api_key_guards_every_route_but_health(rt):
     with ServerThread(create_app(rt, model_name=MODEL, limits=ServeLimits(api_key="s3cret"))) as srv:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 import time
 import uuid
@@ -19,6 +20,8 @@ import uuid
 from dspark_trt.errors import DsparkError
 from dspark_trt.serve.lifecycle import DRAINED, SHUTDOWN_MESSAGE
 from dspark_trt.serve.protocol import OpenAIError, error_body
+
+log = logging.getLogger("dspark_trt.serve")
 
 
 def _forward(runtime, req, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> None:
@@ -215,31 +218,35 @@ class Generations:
         async def events():
             texts = [TextStream(self.rt.tokenizer.decode, c.stop) for c in prepared.configs]
             try:
-                for d in fmt.first_deltas(len(reqs)):
-                    yield chunk([d])
-                remaining = len(reqs)
-                while remaining:
-                    index, item = await queue.get()
-                    if item is DRAINED:
-                        self.cancel_unfinished(reqs)
-                        yield event(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutdown"))
-                        break
-                    if item is not None:
-                        piece = texts[index].push(item)
-                        if piece:
-                            yield chunk([fmt.delta(index, piece)])
-                        continue
-                    remaining -= 1
-                    r = reqs[index]
-                    self.stats.finish(r)
-                    if r.finish_reason == "error":
-                        yield event(error_body(f"generation failed: {r.error}", "server_error"))
-                        break
-                    yield chunk([fmt.delta(index, texts[index].finish(r.finish_reason), r.finish_reason)])
-                else:
-                    if include_usage:
-                        yield event({"id": cid, "object": fmt.chunk_object, "created": now, "model": self.name,
-                                     "choices": [], "usage": self.usage(prepared, reqs)})
+                try:
+                    for d in fmt.first_deltas(len(reqs)):
+                        yield chunk([d])
+                    remaining = len(reqs)
+                    while remaining:
+                        index, item = await queue.get()
+                        if item is DRAINED:
+                            self.cancel_unfinished(reqs)
+                            yield event(error_body(SHUTDOWN_MESSAGE, "server_error", None, "server_shutdown"))
+                            break
+                        if item is not None:
+                            piece = texts[index].push(item)
+                            if piece:
+                                yield chunk([fmt.delta(index, piece)])
+                            continue
+                        remaining -= 1
+                        r = reqs[index]
+                        self.stats.finish(r)
+                        if r.finish_reason == "error":
+                            yield event(error_body(f"generation failed: {r.error}", "server_error"))
+                            break
+                        yield chunk([fmt.delta(index, texts[index].finish(r.finish_reason), r.finish_reason)])
+                    else:
+                        if include_usage:
+                            yield event({"id": cid, "object": fmt.chunk_object, "created": now, "model": self.name,
+                                         "choices": [], "usage": self.usage(prepared, reqs)})
+                except Exception as e:  # a bug mid-stream: the status line is out, so end with an error event
+                    log.error("unhandled error in stream %s", cid, exc_info=e)
+                    yield event(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))
                 yield "data: [DONE]\n\n"
             finally:  # also runs when the client goes away (the stream task is cancelled)
                 on_close()
