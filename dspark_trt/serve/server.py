@@ -207,6 +207,7 @@ class ServerThread:
         state = getattr(app, "state", None)
         drain = getattr(state, "drain", None)
         stats = getattr(state, "stats", None)
+        self.drain = drain
         self.server = make_server(app, self.sock, getattr(state, "limits", None) or ServeLimits(), log_level,
                                   on_exit=drain.begin if drain is not None else None,
                                   on_bad_request=stats.count if stats is not None else None)
@@ -231,7 +232,9 @@ class ServerThread:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop as SIGTERM would: live requests get the shutdown grace period, then an answer."""
-        self.server.handle_exit(None, None)
+        if self.drain is not None:
+            self.drain.begin()
+        self.server.should_exit = True
         if self.thread.is_alive():
             self.thread.join(timeout)
         try:
