@@ -172,14 +172,22 @@ def test_serve_process_end_to_end(tiny_artifact, rt):
         # SIGTERM while streams run: each ends with an error event and [DONE], not a cut connection.
         body = {"model": name, "prompt": "def fib(n):", "max_tokens": rt.max_context - 8, "temperature": 0,
                 "stream": True, "spec": "off"}
-        others, results = [], []
+        others, results, streaming = [], [], threading.Semaphore(0)
         for _ in range(3):  # company, so the batch is busy when the signal lands
             def one():
                 with httpx.Client(timeout=60, headers=auth) as h:
                     with h.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                        results.append(data_events(resp.iter_lines()))
+                        lines, events = resp.iter_lines(), []
+                        for line in lines:
+                            events += data_events([line])
+                            if events:
+                                break
+                        streaming.release()
+                        results.append(events + data_events(lines))
             others.append(threading.Thread(target=one))
             others[-1].start()
+        for _ in others:
+            assert streaming.acquire(timeout=60)
         events = stream_then(url, body, lambda: proc.send_signal(signal.SIGTERM), headers=auth)
         for t in others:
             t.join()
