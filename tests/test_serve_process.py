@@ -16,13 +16,12 @@ import time
 
 import pytest
 from conftest import stop_process
+from serve_helpers import HealthProbe, openai_error
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-
-from test_serve_limits import HealthProbe, openai_error  # noqa: E402
 
 from dspark_trt.runtime import Runtime  # noqa: E402
 from dspark_trt.serve.limits import ServeLimits  # noqa: E402
@@ -126,7 +125,7 @@ def test_serve_process_end_to_end(tiny_artifact, rt):
     port = _free_port()
     env = {**os.environ, "DSPARK_API_KEY": "k3y"}
     proc = subprocess.Popen([sys.executable, "-m", "dspark_trt.cli", "serve", str(tiny_artifact), "--port", str(port),
-                             "--max-batch", "4", "--shutdown-grace", "0"], stdout=subprocess.PIPE,
+                             "--max-batch", "1", "--shutdown-grace", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     auth = {"authorization": "Bearer k3y"}
@@ -169,33 +168,36 @@ def test_serve_process_end_to_end(tiny_artifact, rt):
         grown = _peak_rss(proc.pid) - before
         assert grown < OVERLOAD_MEMORY_BYTES, grown
 
-        # SIGTERM while streams run: each ends with an error event and [DONE], not a cut connection.
+        # SIGTERM while streams run: each ends with [DONE], not a cut connection. One batch slot: the first
+        # stream runs, the other two wait in the queue behind it, so they surely meet the shutdown.
         body = {"model": name, "prompt": "def fib(n):", "max_tokens": rt.max_context - 8, "temperature": 0,
                 "stream": True, "spec": "off"}
-        others, results, streaming = [], [], threading.Semaphore(0)
-        for _ in range(3):  # company, so the batch is busy when the signal lands
-            def one():
-                with httpx.Client(timeout=60, headers=auth) as h:
-                    with h.stream("POST", f"{url}/v1/completions", json=body) as resp:
-                        lines, events = resp.iter_lines(), []
-                        for line in lines:
-                            events += data_events([line])
-                            if events:
-                                break
-                        streaming.release()
-                        results.append(events + data_events(lines))
-            others.append(threading.Thread(target=one))
-            others[-1].start()
-        for _ in others:
-            assert streaming.acquire(timeout=60)
-        events = stream_then(url, body, lambda: proc.send_signal(signal.SIGTERM), headers=auth)
-        for t in others:
+        queued, results, answered = [], [], threading.Semaphore(0)
+
+        def waiter():
+            with httpx.Client(timeout=60, headers=auth) as h:
+                with h.stream("POST", f"{url}/v1/completions", json=body) as resp:
+                    answered.release()  # the status line is in: the request is queued
+                    results.append(data_events(resp.iter_lines()))
+
+        def terminate():
+            for _ in range(2):
+                queued.append(threading.Thread(target=waiter))
+                queued[-1].start()
+            for _ in range(2):
+                assert answered.acquire(timeout=60)
+            proc.send_signal(signal.SIGTERM)
+
+        events = stream_then(url, body, terminate, headers=auth)
+        for t in queued:
             t.join()
+        assert len(results) == 2
         for ev in [events, *results]:
             assert ev[-1] == "[DONE]", ev[-3:]
             last = json.loads(ev[-2])
             assert "error" in last or last["choices"][0]["finish_reason"] in ("length", "stop"), last
-        assert json.loads(events[-2])["error"]["code"] == "server_shutdown"
+        for ev in results:
+            assert json.loads(ev[-2])["error"]["code"] == "server_shutdown", ev[-3:]
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
@@ -207,4 +209,4 @@ def test_serve_process_end_to_end(tiny_artifact, rt):
     assert any(re.search(r'"POST /v1/chat/completions" 200 [0-9.]+ ms tokens=\d+\+\d+', line) for line in access)
     assert sum('"POST /v1/completions" 413' in line for line in access) == 2
     assert sum('"POST /v1/completions" 400' in line for line in access) == 3
-    assert len([line for line in access if "/health" not in line]) == 14, access  # one line per request
+    assert len([line for line in access if "/health" not in line]) == 13, access  # one line per request

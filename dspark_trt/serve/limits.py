@@ -29,7 +29,7 @@ class ServeLimits:
     keep_alive_s: float = 5.0
     max_header_bytes: int = 16 * 1024
     shutdown_grace_s: float = 5.0
-    prepare_threads: int = 2
+    prepare_threads: int = 4
     api_key: str | None = None
 
     def __post_init__(self):

@@ -48,7 +48,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: Optional[StrictStr] = None
+    model: Optional[StrictStr] = Field(default=None, max_length=256)
     max_tokens: Optional[StrictInt] = Field(default=None, ge=1)
     temperature: Optional[Number] = Field(default=1.0, ge=0.0, le=2.0)
     top_p: Optional[Number] = Field(default=None, gt=0.0, le=1.0)
@@ -61,7 +61,7 @@ class _Sampling(BaseModel):
     frequency_penalty: Optional[Number] = 0.0
     logit_bias: Optional[dict[str, Any]] = None
     user: Optional[StrictStr] = None
-    spec: StrictStr = "adaptive"
+    spec: StrictStr = Field(default="adaptive", max_length=32)
 
     @field_validator("spec")
     @classmethod
