@@ -218,11 +218,29 @@ def bench(artifact_dir, backend, concurrency, modes, num_prompts, max_new_tokens
 @click.option("--port", default=8000, type=click.IntRange(0, 65535))
 @click.option("--max-batch", default=None, type=click.IntRange(1), help="Concurrent requests (default: the manifest's).")
 @click.option("--max-queue", default=256, type=click.IntRange(1), help="Queued requests before answering 429.")
-def serve(artifact_dir, backend, host, port, max_batch, max_queue):
-    """Serve an OpenAI-compatible completions API."""
+@click.option("--api-key", default=None, envvar="DSPARK_API_KEY", show_envvar=True,
+              help="Require `Authorization: Bearer KEY` on every route but /health (401 otherwise).")
+@click.option("--max-body-mb", default=2.0, type=click.FloatRange(0.001), show_default=True,
+              help="Largest request body in MiB (413 beyond it).")
+@click.option("--header-timeout", default=10.0, type=click.FloatRange(0.1), show_default=True,
+              help="Seconds a connection has to send a complete request head (slowloris guard).")
+@click.option("--body-timeout", default=30.0, type=click.FloatRange(0.1), show_default=True,
+              help="Seconds a request body has to arrive completely (408 beyond it).")
+@click.option("--keep-alive", default=5.0, type=click.FloatRange(0.1), show_default=True,
+              help="Seconds an idle keep-alive connection is kept open.")
+@click.option("--shutdown-grace", default=5.0, type=click.FloatRange(0), show_default=True,
+              help="On SIGTERM/Ctrl-C, seconds live requests get to finish before they end with an error event.")
+def serve(artifact_dir, backend, host, port, max_batch, max_queue, api_key, max_body_mb, header_timeout,
+          body_timeout, keep_alive, shutdown_grace):
+    """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
+    from dspark_trt.serve.limits import ServeLimits
     from dspark_trt.serve.server import serve as run
 
-    run(artifact_dir, backend=backend, host=host, port=port, max_batch=max_batch, max_queue=max_queue)
+    limits = ServeLimits(max_body_bytes=max(1, int(max_body_mb * 1024 * 1024)), header_timeout_s=header_timeout,
+                         body_timeout_s=body_timeout, keep_alive_s=keep_alive, shutdown_grace_s=shutdown_grace,
+                         api_key=api_key or None)
+    run(artifact_dir, backend=backend, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
+        limits=limits)
 
 
 def main(argv=None) -> None:

@@ -34,6 +34,17 @@ DRAFT = ModelConfig("llama", VOCAB, 192, 640, 1, 3, 1, 64, rope_theta=10000.0, t
                     max_position_embeddings=2048)
 
 
+# A code model's chat template: system and user messages become Python comments, assistant messages stay
+# code, and the reply continues as code (`dspark-trt serve` renders it for /v1/chat/completions).
+CHAT_TEMPLATE = ("{% for message in messages %}\n"
+                 "{% if message['role'] == 'assistant' %}\n"
+                 "{{ message['content'] }}\n"
+                 "{% else %}\n"
+                 "# {{ message['content'] | replace('\\n', '\\n# ') }}\n"
+                 "{% endif %}\n"
+                 "{% endfor %}\n")
+
+
 def train_tokenizer(out: Path) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -178,7 +189,8 @@ def main():
         save_decoder(model, out / name, dtype="fp16")
         (out / name / "tokenizer.json").write_bytes(tok.read_bytes())
         (out / name / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 2048}) + "\n")
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 2048,
+             "chat_template": CHAT_TEMPLATE}) + "\n")
         (out / name / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}) + "\n")
 
     # Evaluate the saved (fp16-rounded) weights as users will load them.

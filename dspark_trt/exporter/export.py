@@ -12,6 +12,9 @@ from dspark_trt.exporter.draft_check import check_draft_cheaper
 from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+# Tokenizer files copied from the target next to tokenizer.json when present (the server reads its chat
+# template from them), hashed in the manifest like every other file.
+TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja")
 
 
 def _versions() -> dict:
@@ -144,6 +147,9 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         export_target(target_step, tmp / "target.onnx", max_batch, tdt, tcfg.vocab_size)
         bar.update()
         shutil.copyfile(tok_src, tmp / "tokenizer.json")
+        extras = [n for n in TOKENIZER_EXTRAS if (target_dir / n).is_file()]
+        for n in extras:
+            shutil.copyfile(target_dir / n, tmp / n)
         bar.set_postfix_str("manifest")
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, draft_step.temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype)
@@ -152,7 +158,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         manifest["files"] = {}
         from dspark_trt.manifest import sha256_file
 
-        for name in ("draft.onnx", "target.onnx", "tokenizer.json"):
+        for name in ("draft.onnx", "target.onnx", "tokenizer.json", *extras):
             p = tmp / name
             manifest["files"][name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dspark_trt.runtime.config import GenerationConfig, SpecMode
+from dspark_trt.runtime.draws import RequestDraws
 
 
 @dataclass
@@ -72,12 +73,8 @@ class Request:
         # depends on its own seed and verify lengths, never on its batch neighbours, and no draw is
         # ever used twice: acceptance tests by generated-token offset (a step consumes offsets up to its
         # first rejection and the next step starts after it); draft and residual/bonus draws by counters.
-        self.uniforms = None
-        if self.sampling:
-            n, k = self.config.max_new_tokens + 1, self.max_draft
-            rng = np.random.default_rng(self.config.seed)
-            self.uniforms = {"accept": rng.random(n + k, dtype=np.float32), "sample": rng.random(n, dtype=np.float32),
-                             "draft": rng.random((n, k), dtype=np.float32)}
+        # The streams are generated as they are read (draws.py): nothing here grows with max_new_tokens.
+        self.uniforms = RequestDraws(self.config.seed, self.max_draft) if self.sampling else None
         self.sample_draws = 0
         self.draft_rounds = 0
         self.stats.accepted_per_position = [0] * self.max_draft
@@ -95,21 +92,19 @@ class Request:
     def accept_draws(self, count: int) -> np.ndarray:
         if self.uniforms is None:
             return np.zeros(count, dtype=np.float32)
-        g = self.stats.generated
-        return self.uniforms["accept"][g:g + count]
+        return self.uniforms.accept.take(self.stats.generated, count)
 
     def sample_draw(self) -> float:
         if self.uniforms is None:
             return 0.0
-        u = self.uniforms["sample"][min(self.sample_draws, len(self.uniforms["sample"]) - 1)]
+        u = self.uniforms.sample.take(self.sample_draws, 1)[0]
         self.sample_draws += 1
         return float(u)
 
     def draft_draw(self, k: int) -> float:
         if self.uniforms is None:
             return 0.5
-        d = self.uniforms["draft"]
-        return float(d[min(self.draft_rounds, len(d) - 1), k])
+        return float(self.uniforms.draft.row(self.draft_rounds)[k])
 
     @property
     def uncached(self) -> int:

@@ -22,6 +22,13 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_released(self, text: str) -> list[int]:
+        """The ids encode() gives, but the tokenizer runs without holding the GIL (its batch API releases it,
+        plain encode does not): a long text tokenizing in a worker thread does not stall the process's other
+        threads, such as a server's event loop."""
+        batch = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch
+        return batch([text], add_special_tokens=False)[0].ids
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 

@@ -5,26 +5,30 @@
         openai.OpenAI(base_url=srv.url + "/v1", api_key="x").completions.create(...)
     serve("artifacts/tiny", port=8000)                  # what `dspark-trt serve` runs
 
-Endpoints: POST /v1/completions (JSON or SSE stream), GET /v1/models, GET /v1/models/{id}, GET /health,
-GET /metrics (Prometheus text). Concurrent requests are batched by the runtime's worker; this module only
-translates. Every request gets an answer: 400 for a bad body (OpenAI error shape, validation errors
-included), 404 for an unknown model or path, 429 when the runtime's queue is full, 500/503 for engine
-failures or a closed runtime. A client that goes away (stream or not) cancels its requests, which frees
-their KV slots at the runtime's next step.
+Endpoints: POST /v1/completions and POST /v1/chat/completions (JSON or SSE stream), GET /v1/models,
+GET /v1/models/{id}, GET /health, GET /metrics (Prometheus text). Concurrent requests are batched by the
+runtime's worker; this module only translates. Every request gets an answer in OpenAI's error shape when it
+fails: 400 for a bad body or field (naming it), 401 without the API key (when one is set), 404 for an unknown
+model or path, 408/413 for a slow or too large body, 429 when the runtime's queue is full, 500 for a bug
+(the connection stays usable), 503 for a closed runtime or a shutdown. Parsing, tokenizing and chat templates
+run in worker threads, never on the event loop. Limits: limits.py; docs/serving.md.
 """
 
-# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at definition time,
-# and the request model is imported inside create_app (FastAPI stays an optional dependency).
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations at definition time.
 import asyncio
 import json
-import secrets
+import logging
+import os
 import socket
+import sys
 import threading
 import time
-import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
+
+ACCESS_LOGGER = "dspark_trt.serve.access"
 
 
 def _require_web():
@@ -36,128 +40,59 @@ def _require_web():
                           "pip install 'dspark-trt[serve]'") from None
 
 
-# ---------------------------------------------------------------------- runtime <-> asyncio bridge
-def _forward(runtime, req, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue, index: int) -> None:
-    """Thread body: move one request's committed token lists into the event loop's queue (None ends it)."""
-    while True:
-        item = req.pieces.get()
-        try:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, item))
-        except RuntimeError:  # the event loop is gone (server stopped): nobody will read this request
-            runtime.cancel(req)
-            return
-        if item is None:
-            return
-
-
-class _ServerStats:
-    """Counters kept by the HTTP layer (touched only from the event loop)."""
-
-    def __init__(self):
-        self.finished: dict[str, int] = {}
-        self.rejected = 0
-        self.responses: dict[int, int] = {}
-        self.prompt_tokens = 0
-        self.decode_tokens = 0  # generated tokens after the first, summed over finished requests
-        self.decode_steps = 0  # decode steps, summed over finished requests
-        self.cancelled = 0  # requests cancelled because their client went away
-
-    def cancel(self) -> None:
-        self.cancelled += 1
-        self.finished["cancelled"] = self.finished.get("cancelled", 0) + 1
-
-    def finish(self, req) -> None:
-        reason = req.finish_reason or "error"
-        self.finished[reason] = self.finished.get(reason, 0) + 1
-        if req.stats.steps:
-            self.decode_tokens += max(0, req.stats.generated - 1)
-            self.decode_steps += req.stats.steps
-
-
-class _StatusCounter:
-    """Pure ASGI middleware counting responses by status (BaseHTTPMiddleware would break stream cancel)."""
-
-    def __init__(self, app, stats: _ServerStats):
-        self.app, self.stats = app, stats
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                code = int(message["status"])
-                self.stats.responses[code] = self.stats.responses.get(code, 0) + 1
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
-def _sse_response_class():
-    import anyio
-    from starlette.responses import StreamingResponse
-
-    class SSEResponse(StreamingResponse):
-        """A stream that always watches for the client going away, whatever ASGI spec version the server
-        reports (Starlette only listens for http.disconnect below spec 2.4), so the stream's generator is
-        cancelled and its requests are freed promptly rather than at the next failed write."""
-
-        media_type = "text/event-stream"
-
-        def __init__(self, content, on_close=None, **kw):
-            super().__init__(content, **kw)
-            self.on_close = on_close
-
-        async def __call__(self, scope, receive, send):
-            try:
-                async with anyio.create_task_group() as tg:
-                    async def run_stream():
-                        try:
-                            await self.stream_response(send)
-                        except OSError:  # the connection broke while writing
-                            pass
-                        tg.cancel_scope.cancel()
-
-                    tg.start_soon(run_stream)
-                    await self.listen_for_disconnect(receive)
-                    tg.cancel_scope.cancel()
-            finally:
-                # The generator's own cleanup never runs if it was never started (client gone at once).
-                if self.on_close is not None:
-                    self.on_close()
-
-    return SSEResponse
-
-
 # ---------------------------------------------------------------------- the app
-def create_app(runtime, model_name: str | None = None, *, max_prompts: int = 64):
+def create_app(runtime, model_name: str | None = None, *, max_prompts: int = 64, limits=None,
+               chat_template=None, access_log: bool = True):
     """The FastAPI app serving `runtime` (a dspark_trt.runtime.Runtime). The caller owns the runtime:
     the app never closes it. model_name: the id clients pass as `model` (default: the artifact folder name).
-    max_prompts: most prompts one request may carry."""
+    max_prompts: most prompts one request may carry. limits: a ServeLimits (default: its defaults).
+    chat_template: a ChatTemplate (default: the artifact's, see chat.py). access_log: one line per request
+    to the `dspark_trt.serve.access` logger."""
     _require_web()
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from dspark_trt.runtime.config import GenerationConfig, parse_spec
-    from dspark_trt.runtime.runtime import QueueFullError
+    from dspark_trt.serve.chat import ChatTemplate
+    from dspark_trt.serve.generation import ChatFormat, CompletionFormat, Generations, ServerStats, sse_response_class
+    from dspark_trt.serve.lifecycle import Drain
+    from dspark_trt.serve.limits import ServeLimits
+    from dspark_trt.serve.middleware import ACCESS_KEY, ApiKeyAuth, BodyLimit, HTTPGuard
+    from dspark_trt.serve.prepare import prepare_chat, prepare_completion
     from dspark_trt.serve.prometheus import CONTENT_TYPE, render_metrics
-    from dspark_trt.serve.protocol import CompletionRequest, OpenAIError, error_body, validation_message
-    from dspark_trt.serve.text import TextStream
+    from dspark_trt.serve.protocol import OpenAIError, error_body, validation_message
 
+    # The tokenizer's batch API (which releases the GIL) would otherwise start a thread pool, and the
+    # tokenizers library then warns in every process this one forks.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rt = runtime
+    limits = limits or ServeLimits()
     name = model_name or Path(str(getattr(rt, "artifact_dir", "dspark"))).name or "dspark"
+    if chat_template is None:
+        chat_template = ChatTemplate.for_artifact(rt.artifact_dir) if getattr(rt, "artifact_dir", None) else \
+            ChatTemplate()
     created = int(time.time())
-    stats = _ServerStats()
-    SSEResponse = _sse_response_class()
+    stats = ServerStats()
+    drain = Drain(limits.shutdown_grace_s)
+    inflight: dict = {}  # completion id -> list of runtime Requests (for tests and debugging)
+    gens = Generations(rt, name, stats, drain, inflight)
+    pool = ThreadPoolExecutor(limits.prepare_threads, thread_name_prefix="dspark-prepare")
+    SSEResponse = sse_response_class()
 
     app = FastAPI(title="dspark-trt", version="0.1.0", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(_StatusCounter, stats=stats)
+    # Added innermost first: HTTPGuard (counts, catches, logs) wraps the key check, which wraps the body limit.
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes, timeout_s=limits.body_timeout_s)
+    if limits.api_key:
+        app.add_middleware(ApiKeyAuth, key=limits.api_key)
+    app.add_middleware(HTTPGuard, stats=stats, access_log=logging.getLogger(ACCESS_LOGGER) if access_log else None)
     app.state.runtime = rt
     app.state.model_name = name
     app.state.stats = stats
-    app.state.inflight = {}  # completion id -> list of runtime Requests (for tests and debugging)
+    app.state.inflight = inflight
+    app.state.limits = limits
+    app.state.drain = drain
+    app.state.chat_template = chat_template
 
     # ------------------------------------------------------------------ errors, all in OpenAI's shape
     @app.exception_handler(OpenAIError)
@@ -178,10 +113,8 @@ def create_app(runtime, model_name: str | None = None, *, max_prompts: int = 64)
         return JSONResponse(error_body(message, kind), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request, exc: Exception):
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}: {exc}", "server_error"),
-                            status_code=500)
+    # (No handler for Exception: Starlette's re-raises after answering, and uvicorn then drops the
+    # keep-alive connection. HTTPGuard answers those with a JSON 500 instead.)
 
     # ------------------------------------------------------------------ small endpoints
     def _model_card() -> dict:
@@ -214,159 +147,25 @@ def create_app(runtime, model_name: str | None = None, *, max_prompts: int = 64)
                   "max_batch": rt.max_batch}
         return PlainTextResponse(render_metrics(snap, server, hist), media_type=CONTENT_TYPE)
 
-    # ------------------------------------------------------------------ completions
-    def _prepare(body: CompletionRequest):
-        body.check_supported()
-        if body.model is not None and body.model != name:
-            raise OpenAIError(404, f"the model `{body.model}` does not exist; this server serves `{name}`",
-                              param="model", code="model_not_found")
-        prompts = body.prompts()
-        if len(prompts) > max_prompts:
-            raise OpenAIError(400, f"at most {max_prompts} prompts per request, got {len(prompts)}", param="prompt")
-        try:
-            parse_spec(body.spec, rt.max_draft)
-        except DsparkError as e:
-            raise OpenAIError(400, str(e), param="spec") from None
-        ids_list = []
-        for p in prompts:
-            try:
-                ids = rt.tokenizer.encode(p) if isinstance(p, str) else rt.encode(p)
-            except DsparkError as e:
-                raise OpenAIError(400, str(e), param="prompt") from None
-            if not ids:
-                raise OpenAIError(400, "prompt encodes to no tokens", param="prompt")
-            if len(ids) >= rt.max_context:
-                raise OpenAIError(400, f"prompt has {len(ids)} tokens; this model's maximum context length is "
-                                  f"{rt.max_context} tokens", param="prompt", code="context_length_exceeded")
-            ids_list.append(ids)
-        temperature = 1.0 if body.temperature is None else float(body.temperature)
-        seed = body.seed if body.seed is not None else (secrets.randbits(31) if temperature > 0 else 0)
-        config = GenerationConfig(max_new_tokens=int(body.max_tokens or 16), temperature=temperature,
-                                  spec=body.spec, seed=int(seed), stop=body.stop_list())
-        return ids_list, config
-
-    def _submit_all(ids_list, config):
-        reqs = []
-        try:
-            for ids in ids_list:
-                reqs.append(rt.submit(ids, config, stream=True))
-        except QueueFullError as e:
-            for r in reqs:
-                rt.cancel(r)
-            stats.rejected += 1
-            raise OpenAIError(429, f"server is busy: {e}; retry later", type="rate_limit_error",
-                              code="rate_limit_exceeded", headers={"Retry-After": "1"}) from None
-        except DsparkError as e:
-            for r in reqs:
-                rt.cancel(r)
-            if getattr(rt, "_closed", False):
-                raise OpenAIError(503, f"server is shutting down: {e}", type="server_error") from None
-            raise OpenAIError(400, str(e)) from None
-        stats.prompt_tokens += sum(len(i) for i in ids_list)
-        return reqs
-
-    def _bridge(reqs) -> asyncio.Queue:
+    # ------------------------------------------------------------------ completions, chat
+    async def _answer(request: Request, prepare, fmt, *args):
+        raw = await request.body()  # already read whole by BodyLimit, within its size and time limits
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-        for i, r in enumerate(reqs):
-            threading.Thread(target=_forward, args=(rt, r, loop, queue, i), daemon=True,
-                             name=f"dspark-http-{r.id}").start()
-        return queue
-
-    def _cancel_unfinished(reqs) -> None:
-        for r in reqs:
-            if not r.finished and not r.cancelled:
-                rt.cancel(r)
-                stats.cancel()
-
-    def _usage(ids_list, reqs) -> dict:
-        p = sum(len(i) for i in ids_list)
-        c = sum(len(r.generated_ids) for r in reqs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    async def _watch_disconnect(request: Request) -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
+        prepared = await loop.run_in_executor(pool, prepare, raw, rt, name, *args)
+        access = request.scope.setdefault(ACCESS_KEY, {})
+        if prepared.body.stream:
+            events, on_close = gens.stream(prepared, fmt, access)
+            return SSEResponse(events, on_close=on_close,
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await gens.collect(request, prepared, fmt, access)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        ids_list, config = _prepare(body)
-        reqs = _submit_all(ids_list, config)
-        cid = f"cmpl-{uuid.uuid4().hex}"
-        now = int(time.time())
-        app.state.inflight[cid] = reqs
-        queue = _bridge(reqs)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            def on_close():
-                _cancel_unfinished(reqs)
-                app.state.inflight.pop(cid, None)
+    async def completions(request: Request):
+        return await _answer(request, prepare_completion, CompletionFormat(), max_prompts)
 
-            return SSEResponse(_stream(cid, now, ids_list, reqs, queue, config, include_usage), on_close=on_close,
-                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        watcher = asyncio.ensure_future(_watch_disconnect(request))
-        try:
-            remaining = len(reqs)
-            while remaining:
-                getter = asyncio.ensure_future(queue.get())
-                done, _ = await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    getter.cancel()
-                    _cancel_unfinished(reqs)  # nobody is listening any more
-                    return JSONResponse(error_body("client disconnected"), status_code=499)
-                _, item = getter.result()
-                if item is None:
-                    remaining -= 1
-        finally:
-            watcher.cancel()
-            _cancel_unfinished(reqs)
-            app.state.inflight.pop(cid, None)
-        choices = []
-        for i, r in enumerate(reqs):
-            stats.finish(r)
-            if r.finish_reason == "error":
-                raise OpenAIError(500, f"generation failed: {r.error}", type="server_error")
-            res = rt.result(r)
-            choices.append({"index": i, "text": res.text, "logprobs": None, "finish_reason": res.finish_reason})
-        return {"id": cid, "object": "text_completion", "created": now, "model": name, "choices": choices,
-                "usage": _usage(ids_list, reqs)}
-
-    async def _stream(cid, now, ids_list, reqs, queue, config, include_usage):
-        def event(obj) -> str:
-            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-        def chunk(index, text, finish_reason=None) -> str:
-            return event({"id": cid, "object": "text_completion", "created": now, "model": name,
-                          "choices": [{"index": index, "text": text, "logprobs": None,
-                                       "finish_reason": finish_reason}]})
-
-        texts = [TextStream(rt.tokenizer.decode, config.stop) for _ in reqs]
-        try:
-            remaining = len(reqs)
-            while remaining:
-                index, item = await queue.get()
-                if item is not None:
-                    piece = texts[index].push(item)
-                    if piece:
-                        yield chunk(index, piece)
-                    continue
-                remaining -= 1
-                r = reqs[index]
-                stats.finish(r)
-                if r.finish_reason == "error":
-                    yield event(error_body(f"generation failed: {r.error}", "server_error"))
-                    break
-                yield chunk(index, texts[index].finish(r.finish_reason), r.finish_reason)
-            else:
-                if include_usage:
-                    yield event({"id": cid, "object": "text_completion", "created": now, "model": name,
-                                 "choices": [], "usage": _usage(ids_list, reqs)})
-            yield "data: [DONE]\n\n"
-        finally:  # also runs when the client goes away (the stream task is cancelled)
-            _cancel_unfinished(reqs)
-            app.state.inflight.pop(cid, None)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _answer(request, prepare_chat, ChatFormat(), chat_template)
 
     return app
 
@@ -386,6 +185,10 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 class ServerThread:
     """uvicorn serving `app` in a background thread, on 127.0.0.1 and a free port unless told otherwise.
 
@@ -395,20 +198,25 @@ class ServerThread:
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         _require_web()
-        import uvicorn
+        from dspark_trt.serve.limits import ServeLimits
+        from dspark_trt.serve.transport import make_server
 
         self.app = app
         self.sock = _bind(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, host=host, port=self.port, log_level=log_level, timeout_graceful_shutdown=3)
-        self.server = uvicorn.Server(config)
+        state = getattr(app, "state", None)
+        drain = getattr(state, "drain", None)
+        stats = getattr(state, "stats", None)
+        self.drain = drain
+        self.server = make_server(app, self.sock, getattr(state, "limits", None) or ServeLimits(), log_level,
+                                  on_exit=drain.begin if drain is not None else None,
+                                  on_bad_request=stats.count if stats is not None else None)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True,
                                        name="dspark-uvicorn")
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return _url(self.host, self.port)
 
     def start(self, timeout: float = 30.0) -> "ServerThread":
         self.thread.start()
@@ -423,6 +231,9 @@ class ServerThread:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop as SIGTERM would: live requests get the shutdown grace period, then an answer."""
+        if self.drain is not None:
+            self.drain.begin()
         self.server.should_exit = True
         if self.thread.is_alive():
             self.thread.join(timeout)
@@ -438,23 +249,58 @@ class ServerThread:
         self.stop()
 
 
+def _log_to_stderr(level: str) -> None:
+    logger = logging.getLogger("dspark_trt.serve")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level.upper())
+
+
+def _run_until_signalled(server, sock) -> None:
+    """server.run(), and exit status 0 after a SIGTERM's graceful shutdown (uvicorn re-raises the signal once
+    it has shut down, which would otherwise kill the process before the runtime is closed)."""
+    import signal
+
+    def stop_cleanly(signum, frame):
+        raise SystemExit(0)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop_cleanly) if main else None
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int = 8000,
           max_batch: int | None = None, max_queue: int | None = 256, model_name: str | None = None,
-          log_level: str = "info") -> None:
-    """Load the artifact and serve it until interrupted (Ctrl-C); what `dspark-trt serve` runs."""
+          log_level: str = "info", limits=None) -> None:
+    """Load the artifact and serve it until SIGTERM or Ctrl-C; what `dspark-trt serve` runs. limits: a
+    ServeLimits (body size, timeouts, shutdown grace, API key)."""
     _require_web()
-    import uvicorn
-
     from dspark_trt.runtime import Runtime
+    from dspark_trt.serve.limits import ServeLimits
+    from dspark_trt.serve.transport import make_server
 
+    limits = limits or ServeLimits()
     sock = _bind(host, port)  # bind first: a busy port fails fast, before the engines load
     try:
         rt = Runtime.load(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue)
         try:
-            app = create_app(rt, model_name=model_name or Path(artifact_dir).resolve().name)
-            config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
-                                    timeout_graceful_shutdown=5)
-            uvicorn.Server(config).run(sockets=[sock])
+            name = model_name or Path(artifact_dir).resolve().name
+            app = create_app(rt, model_name=name, limits=limits)
+            _log_to_stderr(log_level)
+            server = make_server(app, sock, limits, log_level, on_exit=app.state.drain.begin,
+                                 on_bad_request=app.state.stats.count)
+            url = _url(*sock.getsockname()[:2])
+            template = app.state.chat_template.origin
+            print(f"dspark-trt: serving {name} at {url} (OpenAI base URL {url}/v1; chat template: {template}; "
+                  f"API key {'required' if limits.api_key else 'not required'})", flush=True)
+            _run_until_signalled(server, sock)
         finally:
             rt.close()
     finally:
