@@ -1,7 +1,7 @@
 """TensorRT plugins for the dspark ops (Python "quickly deployable plugins", ``tensorrt.plugin``).
 
-Importing this module registers ``dspark::Survival``, ``dspark::GreedyAccept`` and
-``dspark::SampleAccept``; import it before parsing an ONNX file so the parser maps the dspark nodes
+Importing this module registers ``dspark::Survival``, ``dspark::GreedyAccept``,
+``dspark::SampleAccept`` and ``dspark::MarkovDraft``; import it before parsing an ONNX file so the parser maps the dspark nodes
 (``plugin_namespace="dspark"``) to these plugins instead of importing their function bodies.
 
 API versions used (see /work/shared/notes/tensorrt.md):
@@ -218,6 +218,52 @@ if HAS_AOT:
         r, v = verify_lens.shape_expr[0], logits.shape_expr[1]
         inputs = (logits, draft_probs, draft_tokens, verify_lens, temperature, accept_uniforms, sample_uniforms)
         return _aot_result("SampleAccept", inputs, r, {"R": r, "V": v}, vocab=_static(v))
+
+
+# -------------------------------------------------------------------------------------- MarkovDraft
+@trtp.register("dspark::MarkovDraft")
+def markov_draft_desc(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                      markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                      d2t: trtp.TensorDesc, steps: int, logit_scale: float, draft_topk: int
+                      ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
+    return _outputs("MarkovDraft", base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t)
+
+
+@trtp.autotune("dspark::MarkovDraft")
+def markov_draft_autotune(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                          markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                          d2t: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
+    return _autotune("MarkovDraft")
+
+
+@trtp.impl("dspark::MarkovDraft")
+def markov_draft_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor: trtp.Tensor,
+                      markov_w1: trtp.Tensor, markov_w2: trtp.Tensor, conf_w: trtp.Tensor, d2t: trtp.Tensor,
+                      steps: int, logit_scale: float, draft_topk: int, outputs: Tuple[trtp.Tensor],
+                      stream: int) -> None:
+    import torch
+
+    from dspark_trt.plugins import markov_kernels
+
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        ts = _cuda(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, *outputs)
+        markov_kernels.markov_draft(*ts[:7], steps=int(steps), logit_scale=float(logit_scale),
+                                    draft_topk=int(draft_topk), out=tuple(ts[7:]))
+
+
+if HAS_AOT:
+    @trtp.aot_impl("dspark::MarkovDraft")
+    def markov_draft_aot_impl(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                              markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                              d2t: trtp.TensorDesc, steps: int, logit_scale: float, draft_topk: int,
+                              outputs: Tuple[trtp.TensorDesc], tactic: int
+                              ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
+                                         trtp.SymExprs]:
+        r, n, v = (base_logits.shape_expr[i] for i in range(3))
+        k = markov_w1.shape_expr[1]
+        inputs = (base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t)
+        return _aot_result("MarkovDraft", inputs, r, {"R": r, "N": n, "V": v, "K": k}, vocab=_static(v),
+                           rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk))
 
 
 REGISTERED = tuple(op.plugin_id for op in spec.OPS.values())
