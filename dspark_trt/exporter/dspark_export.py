@@ -1,0 +1,134 @@
+"""Export a DSpark drafter (see models/dspark_drafter.py) as two ONNX graphs.
+
+* ``dspark_context.onnx``: aux [T, F] (the target's hidden states at the drafter's capture points),
+  positions [T] -> ``context.{i}.key`` / ``context.{i}.value`` [T, KVH, D] per draft layer: the
+  context-KV precompute. The runtime writes them into the draft's context cache at the verified
+  positions (and rolls back nothing: rejected positions are simply overwritten next step).
+* ``dspark_draft.onnx``: anchor [R], past_lens [R] (context entries per request = the anchor's
+  position), slot_ids [R], the context cache ``past_key_values.{i}.key/value`` [P, S, KVH, D] ->
+  ``draft_tokens`` [R, N] (target ids), ``confidence_logits`` [R, N] and ``survival`` [R, N]. One
+  parallel block pass, then the dspark ops MarkovDraft (the sequential stage) and Survival (calibrated
+  running product of the confidences). Greedy drafting: no [R, N, V] tensor leaves the graph.
+
+Both graphs carry the dspark ONNX functions, so ONNX Runtime runs them as exported; TensorRT maps the
+dspark nodes to the plugins in plugins/tensorrt_plugins.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dspark_trt.exporter.graphs import call_op
+from dspark_trt.models.dspark_drafter import DsparkDrafter
+
+CONTEXT_FILE = "dspark_context.onnx"
+DRAFT_FILE = "dspark_draft.onnx"
+CONTEXT_INPUTS = ["aux_hidden", "positions"]
+DRAFT_INPUTS = ["anchor", "past_lens", "slot_ids"]
+DRAFT_OUTPUTS = ["draft_tokens", "confidence_logits", "survival"]
+EX_PAST = 6  # example context length for tracing (distinct from every other example size)
+
+
+def context_names(num_layers: int) -> list[str]:
+    return [f"context.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def past_names(num_layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def markov_op(inputs: list, steps: int, logit_scale: float, draft_topk: int):
+    """MarkovDraft: one custom ONNX node under export, the numpy reference in eager mode."""
+    r = inputs[0].shape[0]
+    attrs = {"steps": int(steps), "logit_scale": float(logit_scale), "draft_topk": int(draft_topk)}
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic_multi_out("dspark::MarkovDraft", inputs,
+                                                 attrs=dict(attrs, plugin_namespace="dspark"),
+                                                 dtypes=[torch.int64, torch.float32], shapes=[[r, steps], [r, steps]],
+                                                 version=1)
+    from dspark_trt.plugins import reference
+
+    toks, conf = reference.markov_draft(*[x.detach().cpu().numpy() for x in inputs], **attrs)
+    return torch.from_numpy(toks), torch.from_numpy(np.asarray(conf))
+
+
+class DsparkContextGraph(nn.Module):
+    def __init__(self, drafter: DsparkDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, aux_hidden, positions):
+        keys, values = self.drafter.context_kv(aux_hidden, positions)
+        return tuple(t for kv in zip(keys, values) for t in kv)
+
+
+class DsparkDraftGraph(nn.Module):
+    def __init__(self, drafter: DsparkDrafter, temperatures: list[float] | None = None):
+        super().__init__()
+        self.drafter = drafter
+        self.temperatures = [float(t) for t in (temperatures or [1.0] * drafter.cfg.num_draft)]
+
+    def forward(self, anchor, past_lens, slot_ids, *past):
+        d, cfg = self.drafter, self.drafter.cfg
+        r = anchor.shape[0]
+        masks = torch.full_like(anchor, cfg.mask_token_id)[:, None].expand(r, cfg.query_len - 1)
+        tokens = torch.cat([anchor[:, None], masks], dim=1)
+        hidden = d.block(tokens, list(past[0::2]), list(past[1::2]), slot_ids, past_lens)
+        rows = d.sample_rows(hidden)
+        w1 = d.markov_head.markov_w1.weight.float()
+        w2 = d.markov_head.markov_w2.weight.float()
+        toks, conf = markov_op([d.base_logits(rows), d.confidence_base(rows), anchor, w1, w2,
+                                d.confidence_markov_weight(), d.d2t], cfg.num_draft, cfg.logit_scale,
+                               cfg.draft_topk or 0)
+        ones = torch.ones_like(past_lens, dtype=torch.float32)
+        (surv,) = call_op("Survival", [conf, ones, torch.zeros_like(past_lens)],
+                          {"temperatures": self.temperatures}, [torch.float32], [[r, cfg.num_draft]])
+        return toks, conf, surv
+
+
+def _export(module, args, input_names, output_names, dynamic_shapes, path: Path) -> None:
+    import onnx
+
+    from dspark_trt.plugins.onnx_functions import attach_functions
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=dynamic_shapes, optimize=True, verbose=False,
+                                    external_data=False)
+    model = program.model_proto
+    attach_functions(model)
+    onnx.save(model, str(path))
+
+
+def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
+                  temperatures: list[float] | None = None) -> dict[str, Path]:
+    """Write both graphs into out_dir; returns {"context": path, "draft": path}."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = drafter.float().eval()
+    cfg = drafter.cfg
+    layers = cfg.layers.num_hidden_layers
+    dim = torch.export.Dim
+    t, r, p = dim("num_tokens", min=1), dim("num_requests", min=1), dim("past_len", min=1)
+
+    feat = cfg.target_hidden_size * len(cfg.aux_layers)
+    ctx_args = (torch.randn(EX_PAST + 1, feat), torch.arange(EX_PAST + 1, dtype=torch.int64))
+    _export(DsparkContextGraph(drafter), ctx_args, CONTEXT_INPUTS, context_names(layers),
+            ({0: t}, {0: t}), out_dir / CONTEXT_FILE)
+
+    ex_r = 3 if num_slots >= 3 else num_slots
+    kv_shape = (EX_PAST, num_slots, cfg.layers.num_key_value_heads, cfg.layers.head_dim)
+    past = tuple(torch.randn(kv_shape) for _ in range(2 * layers))
+    draft_args = (torch.tensor([3, 1, 4][:ex_r], dtype=torch.int64),
+                  torch.tensor([EX_PAST, 2, 4][:ex_r], dtype=torch.int64),
+                  torch.tensor([2, 0, 1][:ex_r], dtype=torch.int64) % num_slots, *past)
+    shapes = ({0: r}, {0: r}, {0: r}, tuple({0: p} for _ in range(2 * layers)))  # *past is one vararg
+    _export(DsparkDraftGraph(drafter, temperatures), draft_args, DRAFT_INPUTS + past_names(layers), DRAFT_OUTPUTS,
+            shapes, out_dir / DRAFT_FILE)
+    return {"context": out_dir / CONTEXT_FILE, "draft": out_dir / DRAFT_FILE}

@@ -1,0 +1,94 @@
+"""Exported DSpark graphs (context-KV precompute + block pass with MarkovDraft and Survival) on ONNX
+Runtime == the torch draft module (which test_dspark_drafter holds to the vLLM reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from dspark_trt.exporter.dspark_export import context_names, export_dspark, past_names  # noqa: E402
+from dspark_trt.models.checkpoint import load_decoder  # noqa: E402
+from dspark_trt.models.dspark_drafter import load_dspark_drafter  # noqa: E402
+from tests.dspark_fixtures import make_draft, make_target  # noqa: E402
+
+SLOTS = 4
+CACHE = 16
+VARIANTS = {
+    "head with markov": dict(),
+    "reduced vocab + top-k, logit scale": dict(draft_vocab=70, topk=6, logit_scale=0.8),
+    "head-less, causal, 1+N": dict(head=False, head_tensors=False, causal=True, sample_from_anchor=False),
+}
+
+
+def session(path):
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dspark_export")
+    target_dir = make_target(root)
+    out = {}
+    for i, (name, kw) in enumerate(VARIANTS.items()):
+        drafter = load_dspark_drafter(make_draft(root, name=f"d{i}", seed=10 + i, **kw), target_dir)
+        out[name] = (drafter, export_dspark(drafter, root / f"art{i}", num_slots=SLOTS))
+    return load_decoder(target_dir), out
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_exported_graphs_match_the_torch_module(exported, variant):
+    target, graphs = exported
+    drafter, paths = graphs[variant]
+    layers = drafter.cfg.layers.num_hidden_layers
+    ctx, drf = session(paths["context"]), session(paths["draft"])
+    assert [o.name for o in drf.get_outputs()] == ["draft_tokens", "confidence_logits", "survival"]
+
+    prompts = [[3, 17, 42, 8, 99, 23, 11], [64, 2, 7, 7, 30], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
+    slots = [2, 0, 3]
+    keys, values = drafter.empty_cache(SLOTS, CACHE)
+    for prompt, s in zip(prompts, slots):
+        with torch.no_grad():
+            _, aux = target.forward_dense(torch.tensor([prompt]), aux_layers=drafter.cfg.aux_layers)
+            pos = torch.arange(len(prompt) - 1)
+            k_ref, v_ref = drafter.context_kv(aux[0, :-1], pos)
+        got = ctx.run(None, {"aux_hidden": aux[0, :-1].numpy(), "positions": pos.numpy()})
+        assert [o.name for o in ctx.get_outputs()] == context_names(layers)
+        for i in range(layers):
+            assert np.abs(got[2 * i] - k_ref[i].numpy()).max() <= 1e-4
+            assert np.abs(got[2 * i + 1] - v_ref[i].numpy()).max() <= 1e-4
+            keys[i][: len(prompt) - 1, s] = torch.from_numpy(got[2 * i])
+            values[i][: len(prompt) - 1, s] = torch.from_numpy(got[2 * i + 1])
+
+    anchor = torch.tensor([p[-1] for p in prompts])
+    past_lens = torch.tensor([len(p) - 1 for p in prompts])
+    with torch.no_grad():
+        toks, conf = drafter.draft(anchor, keys, values, torch.tensor(slots), past_lens)
+    p = int(past_lens.max()) + 1
+    feeds = {"anchor": anchor.numpy(), "past_lens": past_lens.numpy(), "slot_ids": np.array(slots, np.int64)}
+    for name, t in zip(past_names(layers), [t for kv in zip(keys, values) for t in kv]):
+        feeds[name] = t[:p].numpy()
+    g_toks, g_conf_logits, g_surv = drf.run(None, feeds)
+    np.testing.assert_array_equal(g_toks, toks.numpy())
+    g_conf = 1 / (1 + np.exp(-g_conf_logits))
+    assert np.abs(g_conf - conf.numpy()).max() <= 1e-4
+    np.testing.assert_allclose(g_surv, np.cumprod(conf.numpy(), axis=1), rtol=1e-4, atol=1e-6)
+    if drafter.confidence_head is None:
+        assert (g_conf_logits == 0).all()  # head-less: 0.5 placeholders, the runtime's estimator takes over
+
+
+def test_draft_graph_uses_the_dspark_ops_and_no_vocab_sized_outputs(exported):
+    _, graphs = exported
+    _, paths = graphs["reduced vocab + top-k, logit scale"]
+    model = onnx.load(str(paths["draft"]))
+    dspark = [n for n in model.graph.node if n.domain == "dspark"]
+    assert sorted(n.op_type for n in dspark) == ["MarkovDraft", "Survival"]
+    markov = next(n for n in dspark if n.op_type == "MarkovDraft")
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in markov.attribute}
+    assert attrs["steps"] == 4 and attrs["draft_topk"] == 6 and abs(attrs["logit_scale"] - 0.8) < 1e-6
+    assert {f.name for f in model.functions if f.domain == "dspark"} == {"MarkovDraft", "Survival"}
+    for out in model.graph.output:
+        assert len(out.type.tensor_type.shape.dim) == 2  # [R, N]: tokens, confidence logits, survival
