@@ -178,7 +178,7 @@ def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_
     import time
 
     from dspark_trt.models.checkpoint import load_decoder
-    from dspark_trt.models.confidence_head import load_head, save_temperatures
+    from dspark_trt.models.confidence_head import head_files, load_head, save_temperatures
     from dspark_trt.training.head_training import head_logits
     from dspark_trt.training.rollout import rollout_from_dirs
 
@@ -205,7 +205,7 @@ def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_
     result = calibrate_arrays(z, ro.survival(labels), ro.fallback_conf, ro.survival_greedy, n_bins, strategy,
                               labels=labels)
     temps = list(result.temperatures) + [float(t) for t in head.temperatures[max_draft:]]
-    head_labels = (json.loads((head_dir / "confidence_head.json").read_text()).get("training") or {}).get("labels")
+    head_labels = (json.loads(head_files(head_dir)[1].read_text()).get("training") or {}).get("labels")
     result.summary["head_labels"] = head_labels
     result.summary["warnings"] = bias_warnings(result, head_labels)
     result.summary.update({"data": str(data), "head_dir": str(head_dir), "seed": seed, "rollout": ro.info,

@@ -249,7 +249,8 @@ def train_head(target_dir, draft_dir, data, out_dir=None, max_draft: int = 7, st
                labels: str = "expected", seed: int = 0, overwrite: bool = False, *, num_contexts: int | None = None,
                context_len: int | None = None, batch_size: int = 32, lr: float = 3e-3, stats=DEFAULT_STATS,
                prev_embed: bool = True, progress: bool = True) -> Path:
-    """Train the confidence head of the draft; writes confidence_head.safetensors + .json; returns the weights path.
+    """Train the confidence head of the draft; writes dspark_head/confidence_head.safetensors + .json (a subfolder,
+    so vLLM still loads the draft folder); returns the weights path.
 
     num_contexts x max_draft labelled positions are rolled out from `data` (see rollout.py).
     """
