@@ -92,3 +92,41 @@ def test_draft_graph_uses_the_dspark_ops_and_no_vocab_sized_outputs(exported):
     assert {f.name for f in model.functions if f.domain == "dspark"} == {"MarkovDraft", "Survival"}
     for out in model.graph.output:
         assert len(out.type.tensor_type.shape.dim) == 2  # [R, N]: tokens, confidence logits, survival
+
+
+def test_target_graph_with_aux_outputs_matches_the_decoder(exported, tmp_path):
+    from dspark_trt.exporter.dspark_export import export_target_with_aux
+    from dspark_trt.exporter.graphs import TARGET_INPUTS
+    from dspark_trt.models.decoder import PackedBatch, make_packed_index
+
+    target, graphs = exported
+    drafter, _ = graphs["head with markov"]
+    path = export_target_with_aux(target, drafter.cfg.aux_layers, tmp_path / "target_aux.onnx", num_slots=SLOTS)
+    sess = session(path)
+    assert sess.get_outputs()[-1].name == "aux_hidden"
+    # two requests: a 5-token prefill in slot 1 and a 3-token verify after 4 cached tokens in slot 3
+    ql, past_lens, slots = [5, 3], [0, 4], [1, 3]
+    pack, unpack = make_packed_index(ql)
+    tokens = torch.tensor([4, 8, 15, 16, 23, 42, 7, 1])
+    positions = torch.tensor([0, 1, 2, 3, 4, 4, 5, 6])
+    layers = target.config.num_hidden_layers
+    keys, values = target.empty_cache(SLOTS, 4)
+    g = torch.Generator().manual_seed(0)
+    for t in keys + values:
+        t[:, 3] = torch.randn(t[:, 3].shape, generator=g)
+    with torch.no_grad():
+        _, _, _, aux = target.forward_packed(PackedBatch(tokens, positions, pack, unpack, torch.tensor(ql),
+                                                         torch.tensor(past_lens), torch.tensor(slots), keys, values),
+                                             aux_layers=drafter.cfg.aux_layers)
+    v = target.config.vocab_size
+    feeds = dict(tokens=tokens, positions=positions, pack_index=pack, unpack_index=unpack, query_lens=torch.tensor(ql),
+                 past_lens=torch.tensor(past_lens), slot_ids=torch.tensor(slots), verify_index=torch.tensor([4, 5, 6, 7]),
+                 verify_lens=torch.tensor([0, 2]), draft_tokens=torch.tensor([0, 7, 1, 0]),
+                 draft_probs=torch.full((4, v), 1.0 / v), temperature=torch.tensor([0.0, 0.0]),
+                 accept_uniforms=torch.full((4,), 0.5), sample_uniforms=torch.tensor([0.5, 0.5]))
+    feeds = {k: feeds[k].numpy() for k in TARGET_INPUTS}
+    for i in range(layers):
+        feeds[f"past_key_values.{i}.key"], feeds[f"past_key_values.{i}.value"] = keys[i].numpy(), values[i].numpy()
+    out = sess.run(None, feeds)
+    assert np.abs(out[-1] - aux.numpy()).max() <= 1e-4
+    assert out[-1].shape == (8, 48 * len(drafter.cfg.aux_layers))

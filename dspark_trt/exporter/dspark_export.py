@@ -132,3 +132,60 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
     _export(DsparkDraftGraph(drafter, temperatures), draft_args, DRAFT_INPUTS + past_names(layers), DRAFT_OUTPUTS,
             shapes, out_dir / DRAFT_FILE)
     return {"context": out_dir / CONTEXT_FILE, "draft": out_dir / DRAFT_FILE}
+
+
+# ------------------------------------------------------------------ the target graph with aux outputs
+TARGET_FILE = "target_aux.onnx"
+
+
+class DsparkTargetStep(nn.Module):
+    """exporter.graphs.TargetStep plus one output: `aux_hidden` [N, len(aux_layers) * hidden], the target's
+    hidden states at the drafter's capture points for every packed token (only this flavour has it)."""
+
+    def __init__(self, decoder, aux_layers):
+        super().__init__()
+        self.decoder = decoder
+        self.aux_layers = tuple(aux_layers)
+        self.num_layers = decoder.config.num_hidden_layers
+
+    def forward(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                verify_index, verify_lens, draft_tokens, draft_probs, temperature, accept_uniforms,
+                sample_uniforms, *past):
+        from dspark_trt.models.decoder import PackedBatch
+
+        batch = PackedBatch(tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                            list(past[0::2]), list(past[1::2]))
+        hidden, keys, values, aux = self.decoder.forward_packed(batch, aux_layers=self.aux_layers)
+        logits = self.decoder.lm_head(hidden[verify_index]).float()
+        r = verify_lens.shape[0]
+        g_acc, g_next = call_op("GreedyAccept", [logits, draft_tokens, verify_lens], {},
+                                [torch.int64, torch.int64], [[r], [r]])
+        s_acc, s_next = call_op("SampleAccept", [logits, draft_probs, draft_tokens, verify_lens, temperature,
+                                                 accept_uniforms, sample_uniforms], {},
+                                [torch.int64, torch.int64], [[r], [r]])
+        greedy = temperature <= 0
+        present = [t for kv in zip(keys, values) for t in kv]
+        return (torch.where(greedy, g_acc, s_acc), torch.where(greedy, g_next, s_next), *present, aux)
+
+
+def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int) -> Path:
+    """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export)."""
+    from dspark_trt.exporter import onnx_export as ox
+    from dspark_trt.exporter.graphs import TARGET_INPUTS, TARGET_OUTPUTS, kv_names
+
+    step = DsparkTargetStep(decoder.float().eval(), aux_layers)
+    ex = ox._packed_examples(num_slots)
+    vl, ql = ox.EX_VERIFY_LENS, ox.EX_QUERY_LENS
+    m = sum(v + 1 for v in vl)
+    ends = np.cumsum(ql).tolist()
+    ex.update(verify_index=torch.tensor([e - (v + 1) + j for e, v in zip(ends, vl) for j in range(v + 1)]),
+              verify_lens=torch.tensor(vl), draft_tokens=torch.zeros(m, dtype=torch.int64),
+              draft_probs=torch.full((m, decoder.config.vocab_size), 1.0 / decoder.config.vocab_size),
+              temperature=torch.tensor([0.0, 0.7, 1.0]), accept_uniforms=torch.full((m,), 0.5),
+              sample_uniforms=torch.tensor([0.1, 0.5, 0.9]))
+    args = tuple(ex[k] for k in TARGET_INPUTS) + tuple(ox._past(decoder, num_slots, torch.float32))
+    layers = step.num_layers
+    outputs = list(TARGET_OUTPUTS) + kv_names(layers, "present") + ["aux_hidden"]
+    _export(step, args, list(TARGET_INPUTS) + kv_names(layers, "past"), outputs,
+            ox._dynamic_shapes(TARGET_INPUTS, layers), Path(path))
+    return Path(path)
