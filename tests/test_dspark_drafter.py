@@ -150,6 +150,8 @@ def _refusal(tmp_path, match, tensors_kw=None, **cfg_kw):
     ({"target_hidden_size": 64}, "target_hidden_size"),
     ({"is_neox_style": False}, "is_neox_style"),
     ({"block_size": None}, "block_size"),
+    ({"use_aux_hidden_state": False}, "use_aux_hidden_state"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
 ])
 def test_unsupported_variants_are_refused_naming_the_field(patch, match, tmp_path):
     _refusal(tmp_path, match, _patch=patch)
@@ -185,3 +187,11 @@ def test_alias_names_and_target_layer_precedence(tmp_path):
     d2 = write_draft(tmp_path, cfg2, draft_tensors(cfg2), name="d2")
     assert load_dspark_drafter(d2, target_dir).cfg.aux_layers == (2,)
     assert json.loads((d2 / "config.json").read_text())["dspark_target_layer_ids"] == [3]
+
+
+def test_separate_mask_embedding_file_is_refused(tmp_path):
+    target_dir = make_target(tmp_path)
+    d = make_draft(tmp_path)
+    (d / "mask_embedding.pt").write_bytes(b"")
+    with pytest.raises(DsparkError, match="mask_embedding.pt"):
+        load_dspark_drafter(d, target_dir)

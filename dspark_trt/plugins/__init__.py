@@ -5,6 +5,7 @@
 * :mod:`.onnx_functions`  model-local ONNX FunctionProtos, ``attach_functions``            (onnx)
 * :mod:`.launch`          grids and block sizes                                             (no deps)
 * :mod:`.kernels`         Triton kernels, torch launchers, AOT PTX compilation              (torch, triton)
+* :mod:`.markov_kernels`  MarkovDraft's Triton kernel (the DSpark sequential stage)         (torch, triton)
 * :mod:`.tensorrt_plugins` TensorRT plugin registration                                     (tensorrt)
 
 This package imports only the spec: importing it must never pull in torch, triton or tensorrt.
