@@ -97,3 +97,24 @@ def test_observe_and_draft_refuse_gaps_and_empty_context(setup):
         rt.observe(0, np.zeros((7, 2 * 48), np.float32), 2)
     with pytest.raises(DsparkError, match="exported for 3 cache slots"):
         DsparkDrafting(paths["context"], paths["draft"], num_slots=5, max_context=8)
+
+
+def test_artifact_records_the_dspark_drafter_and_runs(tmp_path):
+    from dspark_trt.exporter.dspark_artifact import export_dspark_artifact
+    from dspark_trt.manifest import load_manifest
+
+    target_dir = make_target(tmp_path, seed=4)
+    draft_dir = make_draft(tmp_path, seed=5, block_size=2, head=False, head_tensors=False)
+    (target_dir / "tokenizer.json").write_text('{"model": {"vocab": {}}, "added_tokens": []}')
+    art = export_dspark_artifact(target_dir, draft_dir, tmp_path / "art", max_batch=2, max_context=32)
+    m = load_manifest(art)
+    assert m.validate() == [] and m.drafter_kind == "dspark"
+    assert m.draft["max_draft"] == 2 and m.draft["confidence"] == "fallback"
+    assert m.draft["dspark"]["aux_layers"] == [1, 3] and set(m.graphs) == {"draft", "target", "dspark_context"}
+    assert m.graphs["target"]["outputs"][-1]["name"] == "aux_hidden"
+    rt = DsparkDrafting.from_artifact(art)
+    rt.observe(1, np.random.default_rng(0).standard_normal((4, 96)).astype(np.float32), 0)
+    d = rt.draft([1], [7])
+    assert d.tokens.shape == (1, 2) and (d.confidence_logits == 0).all()
+    with pytest.raises(DsparkError, match="--force"):
+        export_dspark_artifact(target_dir, draft_dir, art, max_batch=2, max_context=32)

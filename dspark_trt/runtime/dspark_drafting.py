@@ -53,6 +53,18 @@ class DsparkDrafting:
         self.values = [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
         self.context_len = np.zeros(num_slots, np.int64)
 
+    @classmethod
+    def from_artifact(cls, artifact_dir: str | Path, threads: int | None = None) -> "DsparkDrafting":
+        """From an artifact written by exporter/dspark_artifact.py (manifest draft.kind == "dspark")."""
+        from dspark_trt.manifest import load_manifest
+
+        m = load_manifest(artifact_dir)
+        if m.drafter_kind != "dspark":
+            raise DsparkError(f"{artifact_dir} holds a {m.drafter_kind} drafter, not a DSpark one")
+        d = Path(artifact_dir)
+        return cls(d / m.graphs["dspark_context"]["file"], d / m.graphs["draft"]["file"],
+                   num_slots=m.limits["max_batch"], max_context=m.limits["max_context"], threads=threads)
+
     def observe(self, slot: int, aux: np.ndarray, start: int) -> None:
         """Verified context: aux [T, F] hidden states of the target at positions start .. start + T - 1."""
         t = aux.shape[0]
