@@ -19,22 +19,25 @@ CASES = ref.markov_cases(seed=0)
 ATTRS = ("steps", "logit_scale", "draft_topk")
 
 
-def markov_model(steps: int, float_type=TensorProto.FLOAT, **attrs):
-    op = OPS["MarkovDraft"]
+def markov_model(steps: int, float_type=TensorProto.FLOAT, op_name="MarkovDraft", **attrs):
+    op = OPS[op_name]
     types = {"anchor": TensorProto.INT64, "d2t": TensorProto.INT64, "base_logits": float_type,
              "conf_base": float_type}
     inputs = [helper.make_tensor_value_info(t.name, types.get(t.name, TensorProto.FLOAT), list(t.shape))
               for t in op.inputs]
     outputs = [helper.make_tensor_value_info("draft_tokens", TensorProto.INT64, ["R", "N"]),
                helper.make_tensor_value_info("confidence_logits", TensorProto.FLOAT, ["R", "N"])]
-    node = make_node("MarkovDraft", op.input_names, op.output_names, name="markov", steps=steps, **attrs)
+    if op_name == "MarkovSample":
+        outputs.append(helper.make_tensor_value_info("draft_probs", TensorProto.FLOAT, ["R", "N", "T"]))
+    node = make_node(op_name, op.input_names, op.output_names, name="markov", steps=steps, **attrs)
     model = helper.make_model(helper.make_graph([node], "markov", inputs, outputs),
                               opset_imports=[helper.make_opsetid("", 18)])
     return attach_functions(model)
 
 
-def run_onnx(case: dict, float_type=TensorProto.FLOAT):
-    model = markov_model(case["steps"], float_type, logit_scale=case["logit_scale"], draft_topk=case["draft_topk"])
+def run_onnx(case: dict, float_type=TensorProto.FLOAT, op_name="MarkovDraft"):
+    model = markov_model(case["steps"], float_type, op_name, logit_scale=case["logit_scale"],
+                         draft_topk=case["draft_topk"])
     onnx.checker.check_model(model, full_check=True)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {k: np.asarray(v) for k, v in case.items() if k not in ATTRS}
@@ -106,3 +109,52 @@ def test_attach_refuses_mixed_steps():
         attach_functions(model)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         make_node("MarkovDraft", op.input_names, op.output_names, steps=0)
+
+
+SAMPLE_CASES = ref.markov_sample_cases(seed=0)
+
+
+@pytest.mark.parametrize("name", list(SAMPLE_CASES))
+def test_sampling_body_on_ort_equals_the_reference(name):
+    case = SAMPLE_CASES[name]
+    tokens, conf, probs = run_onnx(case, op_name="MarkovSample")
+    exp_tokens, exp_conf, exp_probs = ref.markov_sample(**case)
+    np.testing.assert_array_equal(tokens, exp_tokens)
+    np.testing.assert_allclose(conf, exp_conf, rtol=1e-5, atol=1e-5)
+    assert probs.shape == exp_probs.shape == (*tokens.shape, case["markov_w1"].shape[0])
+    np.testing.assert_allclose(probs, exp_probs, rtol=1e-5, atol=1e-6)
+
+
+def test_sampling_reference_semantics():
+    case = SAMPLE_CASES["reduced_vocab"]
+    tokens, _, probs = ref.markov_sample(**case)
+    np.testing.assert_allclose(probs.sum(-1), 1.0, rtol=1e-5)
+    outside = np.ones(probs.shape[-1], bool)
+    outside[np.arange(40) + case["d2t"]] = False
+    assert (probs[..., outside] == 0).all()  # q lives on the draft vocabulary's target ids
+    r, n = tokens.shape
+    assert all(probs[i, j, tokens[i, j]] > 0 for i in range(r) for j in range(n))
+    greedy = dict(case, temperature=np.zeros(r, np.float32))  # T <= 0: MarkovDraft's tokens, one-hot q
+    g_tokens, g_conf, g_probs = ref.markov_sample(**greedy)
+    d_tokens, d_conf = ref.markov_draft(**{k: v for k, v in case.items() if k not in ("temperature", "uniforms")})
+    np.testing.assert_array_equal(g_tokens, d_tokens)
+    assert ((g_probs == 1) | (g_probs == 0)).all() and (g_probs.sum(-1) == 1).all()
+    topk = SAMPLE_CASES["topk_reduced_scaled"]
+    _, _, tp = ref.markov_sample(**topk)
+    assert ((tp > 0).sum(-1) <= 7).all()  # only the top-k candidates can be drawn
+
+
+def test_draws_follow_q():
+    """Over many uniforms the first position's draws match q (chi-square-free check: each token's share
+    within 0.02 of its probability)."""
+    case = dict(SAMPLE_CASES["dense"])
+    r = 1
+    case = {k: (v[:r] if isinstance(v, np.ndarray) and v.ndim >= 1 and v.shape[0] == 3 else v) for k, v in case.items()}
+    case["temperature"] = np.array([1.0], np.float32)
+    rng = np.random.default_rng(7)
+    counts = np.zeros(50)
+    for _ in range(2000):
+        case["uniforms"] = rng.random((r, case["steps"])).astype(np.float32)
+        t, _, p = ref.markov_sample(**case)
+        counts[t[0, 0]] += 1
+    np.testing.assert_allclose(counts / 2000, p[0, 0], atol=0.03)

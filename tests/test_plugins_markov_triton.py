@@ -73,8 +73,10 @@ import json
 from dspark_trt.plugins import kernels
 ck = kernels.compile_ptx("MarkovDraft", target=("cuda", 80, 32), vocab=151936, rank=64, logit_scale=0.5,
                          draft_topk=8, input_dtypes={"base_logits": "bfloat16"})
+cs = kernels.compile_ptx("MarkovSample", target=("cuda", 80, 32), vocab=32000, rank=16, draft_topk=0)
 print("RESULT" + json.dumps(dict(name=ck.name, params=len(kernels.ptx_entry_params(ck.ptx, ck.name)),
-                                 scalars=list(ck.scalars), warps=ck.num_warps, target=".target sm_80" in ck.ptx)))
+                                 scalars=list(ck.scalars), warps=ck.num_warps, target=".target sm_80" in ck.ptx,
+                                 sample=[cs.name, len(kernels.ptx_entry_params(cs.ptx, cs.name)), list(cs.scalars)])))
 """
 
 
@@ -92,3 +94,21 @@ def test_kernel_compiles_to_ptx_for_the_tensorrt_aot_plugin():
     r = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert r["name"] == "markov_draft_kernel" and r["scalars"] == ["R", "N", "V", "K"]
     assert r["params"] == 7 + 4 + 2 and r["target"]
+    assert r["sample"] == ["markov_sample_kernel", 9 + 5 + 3, ["R", "N", "V", "K", "T"]]
+
+
+def run_sample_kernel(case):
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(DEVICE) for k, v in case.items() if k not in ATTRS}
+    out = markov_kernels.markov_sample(*t.values(), steps=case["steps"], logit_scale=case["logit_scale"],
+                                       draft_topk=case["draft_topk"])
+    return [o.cpu().numpy() for o in out]
+
+
+@pytest.mark.parametrize("name", list(ref.markov_sample_cases()))
+def test_sampling_kernel_equals_the_reference(name):
+    case = ref.markov_sample_cases(seed=0)[name]
+    toks, conf, probs = run_sample_kernel(case)
+    exp_toks, exp_conf, exp_probs = ref.markov_sample(**case)
+    np.testing.assert_array_equal(toks, exp_toks)
+    np.testing.assert_allclose(conf, exp_conf, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(probs, exp_probs, rtol=1e-5, atol=1e-6)

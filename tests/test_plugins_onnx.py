@@ -38,7 +38,7 @@ def op_model(op_name, opset=18, float_type="float32", attach=True, **attrs):
 _SESSIONS = {}
 
 # Attributes each op needs in a one-node test model.
-NEEDED_ATTRS = {"Survival": {"temperatures": [1.0]}, "MarkovDraft": {"steps": 3}}
+NEEDED_ATTRS = {"Survival": {"temperatures": [1.0]}, "MarkovDraft": {"steps": 3}, "MarkovSample": {"steps": 2}}
 
 
 def run(model, feeds: dict):
@@ -78,9 +78,10 @@ def test_models_pass_the_full_checker(opset):
 
 
 # Standard ops the bodies may use: all imported natively by the TensorRT ONNX parser; no Loop/Scan/If.
-# (MarkovDraft adds Concat, MatMul, TopK and Transpose: its body is unrolled over the draft positions.)
+# (MarkovDraft/MarkovSample add Concat, Expand, MatMul, TopK and Transpose: their bodies are unrolled
+# over the draft positions.)
 ALLOWED_BODY_OPS = {"Abs", "Add", "And", "Cast", "Concat", "Constant", "ConstantOfShape", "CumSum", "Div", "Equal",
-                    "Exp", "Gather", "GatherElements", "Greater", "GreaterOrEqual", "Identity", "Less", "LessOrEqual",
+                    "Exp", "Expand", "Gather", "GatherElements", "Greater", "GreaterOrEqual", "Identity", "Less", "LessOrEqual",
                     "Log", "MatMul", "Max", "Min", "Mul", "Neg", "Not", "Or", "Range", "ReduceMax", "ReduceSum",
                     "ScatterElements", "Shape", "Squeeze", "Sub", "TopK", "Transpose", "Unsqueeze", "Where"}
 

@@ -13,8 +13,8 @@ from dspark_trt.plugins import launch, spec
 
 
 # ------------------------------------------------------------------------------------------------ spec
-def test_ops_are_the_four_with_exact_signatures():
-    assert list(spec.OPS) == ["Survival", "GreedyAccept", "SampleAccept", "MarkovDraft"]
+def test_ops_are_the_five_with_exact_signatures():
+    assert list(spec.OPS) == ["Survival", "GreedyAccept", "SampleAccept", "MarkovDraft", "MarkovSample"]
     s, g, a = spec.OPS["Survival"], spec.OPS["GreedyAccept"], spec.OPS["SampleAccept"]
     assert s.input_names == ["logits", "prev", "start"] and s.output_names == ["survival"]
     assert [x.name for x in s.attributes] == ["temperatures"] and s.attr("temperatures").type == "FLOATS"
@@ -25,12 +25,17 @@ def test_ops_are_the_four_with_exact_signatures():
     assert a.output_names == ["accepted", "next_token"]
     for op in spec.OPS.values():
         assert (op.domain, op.version, op.plugin_id) == ("dspark", 1, f"dspark::{op.name}")
-        assert all(t.dtypes == ("int64",) for t in op.outputs if t.name not in ("survival", "confidence_logits"))
+        assert all(t.dtypes == ("int64",) for t in op.outputs
+                   if t.name not in ("survival", "confidence_logits", "draft_probs"))
     m = spec.OPS["MarkovDraft"]
     assert m.input_names == ["base_logits", "conf_base", "anchor", "markov_w1", "markov_w2", "conf_w", "d2t"]
     assert m.output_names == ["draft_tokens", "confidence_logits"]
     assert [(x.name, x.type, x.required, x.default) for x in m.attributes] == [
         ("steps", "INT", True, None), ("logit_scale", "FLOAT", False, 1.0), ("draft_topk", "INT", False, 0)]
+    ms = spec.OPS["MarkovSample"]
+    assert ms.input_names == m.input_names + ["temperature", "uniforms"] and ms.attributes == m.attributes
+    assert ms.output_names == ["draft_tokens", "confidence_logits", "draft_probs"]
+    assert ms.outputs[2].shape == ("R", "N", "T")
     assert s.outputs[0].dtypes == ("float32",) and s.outputs[0].shape == ("R", "J")
 
 
@@ -193,7 +198,7 @@ def test_tensorrt_registration_against_stub(monkeypatch):
     try:
         mod = importlib.import_module("dspark_trt.plugins.tensorrt_plugins")
         assert mod.HAS_AOT and mod.REGISTERED == ("dspark::Survival", "dspark::GreedyAccept", "dspark::SampleAccept",
-                                                  "dspark::MarkovDraft")
+                                                  "dspark::MarkovDraft", "dspark::MarkovSample")
         for op in spec.OPS.values():
             for kind in ("register", "impl", "autotune", "aot_impl"):
                 assert (kind, op.plugin_id) in trtp.registry, (kind, op.plugin_id)
@@ -212,6 +217,11 @@ def test_tensorrt_registration_against_stub(monkeypatch):
             _Desc((600, 32), trt.float32), _Desc((500, 32), trt.float32), _Desc((32,), trt.float32),
             _Desc((500,), trt.int64), 7, 1.0, 0)
         assert toks.shape_expr == conf.shape_expr == [4, 7] and (toks.dtype, conf.dtype) == (trt.int64, trt.float32)
+        *_, probs = reg["dspark::MarkovSample"](
+            _Desc((4, 7, 500), trt.float16), _Desc((4, 7), trt.float32), _Desc((4,), trt.int64),
+            _Desc((600, 32), trt.float32), _Desc((500, 32), trt.float32), _Desc((32,), trt.float32),
+            _Desc((500,), trt.int64), _Desc((4,), trt.float32), _Desc((4, 7), trt.float32), 7, 1.0, 0)
+        assert probs.shape_expr == [4, 7, 600] and probs.dtype == trt.float32  # target vocabulary T
         tune = trtp.registry[("autotune", "dspark::GreedyAccept")](None, None, None, None)
         assert [c[1] for c in tune] == spec.plugin_type_combinations("GreedyAccept")
         assert mod._input_dtypes("Survival", _Desc((1, 1), trt.bfloat16), _Desc((1,), trt.float32),

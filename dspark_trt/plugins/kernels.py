@@ -27,7 +27,8 @@ import triton.language as tl
 
 from dspark_trt.plugins import launch
 from dspark_trt.plugins.markov_kernels import AOT_LAYOUT as _MARKOV_LAYOUT
-from dspark_trt.plugins.markov_kernels import markov_draft_kernel  # noqa: F401 (AOT compiles it by name)
+from dspark_trt.plugins.markov_kernels import SAMPLE_AOT_LAYOUT as _MARKOV_SAMPLE_LAYOUT
+from dspark_trt.plugins.markov_kernels import markov_draft_kernel, markov_sample_kernel  # noqa: F401 (AOT by name)
 from dspark_trt.plugins.spec import check_temperatures
 
 
@@ -303,6 +304,7 @@ AOT_LAYOUT = {
                                               ("scalar", "R"), ("scalar", "V"), ("out", "accepted"),
                                               ("out", "next_token")]),
     "MarkovDraft": _MARKOV_LAYOUT,
+    "MarkovSample": _MARKOV_SAMPLE_LAYOUT,
 }
 
 
@@ -345,7 +347,7 @@ def aot_signature(op_name: str, input_dtypes: dict[str, str] | None = None) -> d
 
 def aot_constexprs(op_name: str, vocab: int | None = None, temperatures: Sequence[float] | None = None,
                    rank: int | None = None, logit_scale: float = 1.0, draft_topk: int = 0) -> dict:
-    if op_name == "MarkovDraft":
+    if op_name in ("MarkovDraft", "MarkovSample"):
         cfg = launch.markov_launch(0, launch.MAX_BLOCK_V if vocab is None else vocab, rank or launch.MAX_BLOCK_K)
         return {"SCALE": float(logit_scale), "TOPK": int(draft_topk), **cfg.constexprs}
     if op_name == "Survival":
@@ -356,7 +358,7 @@ def aot_constexprs(op_name: str, vocab: int | None = None, temperatures: Sequenc
 
 
 def aot_num_warps(op_name: str, vocab: int | None = None, rank: int | None = None) -> int:
-    if op_name == "MarkovDraft":
+    if op_name in ("MarkovDraft", "MarkovSample"):
         return launch.markov_launch(0, launch.MAX_BLOCK_V if vocab is None else vocab,
                                     rank or launch.MAX_BLOCK_K).num_warps
     if op_name == "Survival":

@@ -352,6 +352,47 @@ def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d
     return tokens, conf
 
 
+def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms, *,
+                  steps: int, logit_scale: float = 1.0, draft_topk: int = 0):
+    """MarkovSample -> (draft_tokens [R, N] int64, confidence_logits [R, N], draft_probs [R, N, T] float32).
+    See spec.MARKOV_SAMPLE."""
+    base = np.asarray(base_logits, dtype=F32)
+    if base.ndim != 3 or base.shape[1] != steps:
+        raise ValueError(f"MarkovSample.base_logits must be [R, {steps}, V], got shape {base.shape}")
+    cb = np.asarray(conf_base, dtype=F32)
+    w1, w2 = np.asarray(markov_w1, dtype=F32), np.asarray(markov_w2, dtype=F32)
+    wc, d2t = np.asarray(conf_w, dtype=F32), np.asarray(d2t, dtype=np.int64)
+    temp, u = np.asarray(temperature, dtype=F32), np.asarray(uniforms, dtype=F32)
+    r, n, v = base.shape
+    cand = topk_mask(base, draft_topk)
+    to_target = np.arange(v) + d2t
+    prev = np.asarray(anchor, dtype=np.int64).reshape(r)
+    tokens, conf = np.zeros((r, n), np.int64), np.zeros((r, n), F32)
+    probs = np.zeros((r, n, w1.shape[0]), F32)
+    for i in range(n):
+        e = w1[prev]
+        x = np.where(cand[:, i], base[:, i] + F32(logit_scale) * (e @ w2.T), F32(-np.inf))
+        q, _ = target_probs(x, temp)
+        d = inverse_cdf(q, u[:, i])
+        prev = to_target[d]
+        tokens[:, i] = prev
+        conf[:, i] = cb[:, i] + e @ wc
+        probs[:, i, to_target] = q
+    return tokens, conf, probs
+
+
+def markov_sample_cases(seed: int = 0) -> dict[str, dict]:
+    """Named MarkovSample inputs: the MarkovDraft cases plus temperatures (greedy rows included) and uniforms."""
+    rng = np.random.default_rng(seed + 100)
+    cases = {}
+    for name, c in markov_cases(seed).items():
+        r, n = c["conf_base"].shape
+        temp = rng.choice(np.array([0.0, 0.5, 1.0, 1.7], F32), r)
+        temp[0] = 1.0
+        cases[name] = dict(c, temperature=temp, uniforms=rng.random((r, n)).astype(F32))
+    return cases
+
+
 def markov_cases(seed: int = 0) -> dict[str, dict]:
     """Named MarkovDraft inputs (keyword arguments of `markov_draft`)."""
     rng = np.random.default_rng(seed)

@@ -190,7 +190,27 @@ MARKOV_DRAFT = OpSpec(
         "Only [R, N] tokens and logits leave the op; no [R, N, V] probabilities.",
 )
 
-OPS: dict[str, OpSpec] = {op.name: op for op in (SURVIVAL, GREEDY_ACCEPT, SAMPLE_ACCEPT, MARKOV_DRAFT)}
+MARKOV_SAMPLE = OpSpec(
+    name="MarkovSample",
+    inputs=MARKOV_DRAFT.inputs + (
+        TensorSpec("temperature", _F32, ("R",), "sampling temperature; T <= 0 means greedy (one-hot q)"),
+        TensorSpec("uniforms", _F32, ("R", "N"), "u in [0, 1) for the draw at each position"),
+    ),
+    outputs=MARKOV_DRAFT.outputs + (
+        TensorSpec("draft_probs", _F32, ("R", "N", "T"),
+                   "q of each position in the target vocabulary (0 outside the draft vocabulary): the "
+                   "SampleAccept draft_probs rows"),
+    ),
+    attributes=MARKOV_DRAFT.attributes,
+    doc="MarkovDraft with sampling, for requests with T > 0 (greedy batches use MarkovDraft and move no "
+        "[R, N, V] tensor). x_i as in MarkovDraft; q_i = softmax(x_i / T_r), one-hot of the lowest-index "
+        "argmax when T_r <= 0 or the row maximum of x_i / T_r is not finite; d_i = the smallest index "
+        "with cumsum(q_i) > u[r,i] * sum(q_i), clamped to the last index with q_i > 0; token "
+        "t_i = d_i + d2t[d_i]; prev_{i+1} = t_i; draft_probs[r,i,d + d2t[d]] = q_i[d].",
+)
+
+OPS: dict[str, OpSpec] = {op.name: op for op in (SURVIVAL, GREEDY_ACCEPT, SAMPLE_ACCEPT, MARKOV_DRAFT,
+                                                 MARKOV_SAMPLE)}
 
 # Node attributes that the TensorRT ONNX parser consumes itself (they are not op attributes):
 # plugin_namespace selects the plugin, plugin_version its version, aot (0/1) forces the JIT or AOT

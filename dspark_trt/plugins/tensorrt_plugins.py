@@ -1,7 +1,7 @@
 """TensorRT plugins for the dspark ops (Python "quickly deployable plugins", ``tensorrt.plugin``).
 
 Importing this module registers ``dspark::Survival``, ``dspark::GreedyAccept``,
-``dspark::SampleAccept`` and ``dspark::MarkovDraft``; import it before parsing an ONNX file so the parser maps the dspark nodes
+``dspark::SampleAccept``, ``dspark::MarkovDraft`` and ``dspark::MarkovSample``; import it before parsing an ONNX file so the parser maps the dspark nodes
 (``plugin_namespace="dspark"``) to these plugins instead of importing their function bodies.
 
 API versions used (see /work/shared/notes/tensorrt.md):
@@ -263,6 +263,56 @@ if HAS_AOT:
         k = markov_w1.shape_expr[1]
         inputs = (base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t)
         return _aot_result("MarkovDraft", inputs, r, {"R": r, "N": n, "V": v, "K": k}, vocab=_static(v),
+                           rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk))
+
+
+# ------------------------------------------------------------------------------------- MarkovSample
+@trtp.register("dspark::MarkovSample")
+def markov_sample_desc(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                       markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                       d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc, steps: int,
+                       logit_scale: float, draft_topk: int
+                       ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+    return _outputs("MarkovSample", base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature,
+                    uniforms)
+
+
+@trtp.autotune("dspark::MarkovSample")
+def markov_sample_autotune(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                           markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                           d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc,
+                           outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
+    return _autotune("MarkovSample")
+
+
+@trtp.impl("dspark::MarkovSample")
+def markov_sample_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor: trtp.Tensor,
+                       markov_w1: trtp.Tensor, markov_w2: trtp.Tensor, conf_w: trtp.Tensor, d2t: trtp.Tensor,
+                       temperature: trtp.Tensor, uniforms: trtp.Tensor, steps: int, logit_scale: float,
+                       draft_topk: int, outputs: Tuple[trtp.Tensor], stream: int) -> None:
+    import torch
+
+    from dspark_trt.plugins import markov_kernels
+
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        ts = _cuda(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms,
+                   *outputs)
+        markov_kernels.markov_sample(*ts[:9], steps=int(steps), logit_scale=float(logit_scale),
+                                     draft_topk=int(draft_topk), out=tuple(ts[9:]))
+
+
+if HAS_AOT:
+    @trtp.aot_impl("dspark::MarkovSample")
+    def markov_sample_aot_impl(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                               markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                               d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc,
+                               steps: int, logit_scale: float, draft_topk: int, outputs: Tuple[trtp.TensorDesc],
+                               tactic: int) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
+                                                     trtp.SymExprs]:
+        r, n, v = (base_logits.shape_expr[i] for i in range(3))
+        t, k = markov_w1.shape_expr[0], markov_w1.shape_expr[1]
+        inputs = (base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms)
+        return _aot_result("MarkovSample", inputs, r, {"R": r, "N": n, "V": v, "K": k, "T": t}, vocab=_static(v),
                            rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk))
 
 
