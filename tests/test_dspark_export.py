@@ -35,7 +35,7 @@ def exported(tmp_path_factory):
     out = {}
     for i, (name, kw) in enumerate(VARIANTS.items()):
         drafter = load_dspark_drafter(make_draft(root, name=f"d{i}", seed=10 + i, **kw), target_dir)
-        out[name] = (drafter, export_dspark(drafter, root / f"art{i}", num_slots=SLOTS))
+        out[name] = (drafter, export_dspark(drafter, root / f"art{i}", num_slots=SLOTS, sample=i == 1))
     return load_decoder(target_dir), out
 
 
@@ -130,3 +130,43 @@ def test_target_graph_with_aux_outputs_matches_the_decoder(exported, tmp_path):
     out = sess.run(None, feeds)
     assert np.abs(out[-1] - aux.numpy()).max() <= 1e-4
     assert out[-1].shape == (8, 48 * len(drafter.cfg.aux_layers))
+
+
+def test_sampling_flavour_matches_the_reference_on_the_module_rows(exported):
+    from dspark_trt.plugins import reference as ref
+
+    target, graphs = exported
+    drafter, paths = graphs["reduced vocab + top-k, logit scale"]
+    layers, n = drafter.cfg.layers.num_hidden_layers, drafter.cfg.num_draft
+    prompts = [[3, 17, 42, 8, 99, 23, 11], [64, 2, 7, 7, 30]]
+    slots = [1, 3]
+    keys, values = drafter.empty_cache(SLOTS, CACHE)
+    for prompt, s in zip(prompts, slots):
+        with torch.no_grad():
+            _, aux = target.forward_dense(torch.tensor([prompt]), aux_layers=drafter.cfg.aux_layers)
+            k, v = drafter.context_kv(aux[0, :-1], torch.arange(len(prompt) - 1))
+        for i in range(layers):
+            keys[i][: len(prompt) - 1, s], values[i][: len(prompt) - 1, s] = k[i], v[i]
+    anchor, past_lens = torch.tensor([p[-1] for p in prompts]), torch.tensor([len(p) - 1 for p in prompts])
+    temperature = np.array([0.0, 0.8], np.float32)
+    uniforms = np.random.default_rng(3).random((2, n)).astype(np.float32)
+    feeds = {"anchor": anchor.numpy(), "past_lens": past_lens.numpy(), "slot_ids": np.array(slots, np.int64),
+             "temperature": temperature, "uniforms": uniforms}
+    p = int(past_lens.max())
+    for name, t in zip(past_names(layers), [t for kv in zip(keys, values) for t in kv]):
+        feeds[name] = t[:p].numpy()
+    toks, conf, surv, probs = session(paths["sample"]).run(None, feeds)
+    with torch.no_grad():
+        tokens = torch.cat([anchor[:, None], torch.full((2, n - 1), drafter.cfg.mask_token_id)], 1)
+        rows = drafter.sample_rows(drafter.block(tokens, keys, values, torch.tensor(slots), past_lens))
+        greedy_toks, greedy_conf = drafter.draft(anchor, keys, values, torch.tensor(slots), past_lens)
+        exp = ref.markov_sample(drafter.base_logits(rows).numpy(), drafter.confidence_base(rows).numpy(), anchor.numpy(),
+                                drafter.markov_head.markov_w1.weight.numpy(), drafter.markov_head.markov_w2.weight.numpy(),
+                                drafter.confidence_markov_weight().numpy(), drafter.d2t.numpy(), temperature, uniforms,
+                                steps=n, logit_scale=drafter.cfg.logit_scale, draft_topk=drafter.cfg.draft_topk)
+    np.testing.assert_array_equal(toks, exp[0])
+    np.testing.assert_array_equal(toks[0], greedy_toks[0].numpy())  # T = 0: the greedy drafts
+    assert np.abs(conf - exp[1]).max() <= 1e-4  # the Markov embeddings follow the sampled tokens
+    assert np.abs(1 / (1 + np.exp(-conf[0])) - greedy_conf[0].numpy()).max() <= 1e-4
+    assert probs.shape == (2, n, target.config.vocab_size)
+    assert np.abs(probs - exp[2]).max() <= 1e-4 and (probs[0].max(-1) == 1).all()

@@ -9,6 +9,9 @@
   ``draft_tokens`` [R, N] (target ids), ``confidence_logits`` [R, N] and ``survival`` [R, N]. One
   parallel block pass, then the dspark ops MarkovDraft (the sequential stage) and Survival (calibrated
   running product of the confidences). Greedy drafting: no [R, N, V] tensor leaves the graph.
+* ``dspark_draft_sample.onnx`` (optional): the same with MarkovSample for batches with sampled requests:
+  inputs + ``temperature`` [R], ``uniforms`` [R, N]; outputs + ``draft_probs`` [R, N, V_target] (q for
+  the lossless SampleAccept; T <= 0 rows draw greedily with a one-hot q).
 
 Both graphs carry the dspark ONNX functions, so ONNX Runtime runs them as exported; TensorRT maps the
 dspark nodes to the plugins in plugins/tensorrt_plugins.py.
@@ -31,6 +34,8 @@ DRAFT_FILE = "dspark_draft.onnx"
 CONTEXT_INPUTS = ["aux_hidden", "positions"]
 DRAFT_INPUTS = ["anchor", "past_lens", "slot_ids"]
 DRAFT_OUTPUTS = ["draft_tokens", "confidence_logits", "survival"]
+SAMPLE_FILE = "dspark_draft_sample.onnx"
+SAMPLE_INPUTS = ["temperature", "uniforms"]
 EX_PAST = 6  # example context length for tracing (distinct from every other example size)
 
 
@@ -43,18 +48,22 @@ def past_names(num_layers: int) -> list[str]:
 
 
 def markov_op(inputs: list, steps: int, logit_scale: float, draft_topk: int):
-    """MarkovDraft: one custom ONNX node under export, the numpy reference in eager mode."""
+    """MarkovDraft (7 inputs) or MarkovSample (9: + temperature, uniforms): one custom ONNX node under
+    export, the numpy reference in eager mode."""
     r = inputs[0].shape[0]
+    sample = len(inputs) == 9
+    name = "MarkovSample" if sample else "MarkovDraft"
     attrs = {"steps": int(steps), "logit_scale": float(logit_scale), "draft_topk": int(draft_topk)}
+    dtypes = [torch.int64, torch.float32] + ([torch.float32] if sample else [])
+    shapes = [[r, steps], [r, steps]] + ([[r, steps, inputs[3].shape[0]]] if sample else [])
     if torch.onnx.is_in_onnx_export():
-        return torch.onnx.ops.symbolic_multi_out("dspark::MarkovDraft", inputs,
-                                                 attrs=dict(attrs, plugin_namespace="dspark"),
-                                                 dtypes=[torch.int64, torch.float32], shapes=[[r, steps], [r, steps]],
-                                                 version=1)
+        return torch.onnx.ops.symbolic_multi_out(f"dspark::{name}", inputs, attrs=dict(attrs, plugin_namespace="dspark"),
+                                                 dtypes=dtypes, shapes=shapes, version=1)
     from dspark_trt.plugins import reference
 
-    toks, conf = reference.markov_draft(*[x.detach().cpu().numpy() for x in inputs], **attrs)
-    return torch.from_numpy(toks), torch.from_numpy(np.asarray(conf))
+    fn = reference.markov_sample if sample else reference.markov_draft
+    outs = fn(*[x.detach().cpu().numpy() for x in inputs], **attrs)
+    return tuple(torch.from_numpy(np.asarray(o)) for o in outs)
 
 
 class DsparkContextGraph(nn.Module):
@@ -68,12 +77,17 @@ class DsparkContextGraph(nn.Module):
 
 
 class DsparkDraftGraph(nn.Module):
-    def __init__(self, drafter: DsparkDrafter, temperatures: list[float] | None = None):
+    """The block pass + MarkovDraft (greedy flavour) or + MarkovSample (sample=True: two more inputs,
+    temperature [R] and uniforms [R, N], and one more output, draft_probs [R, N, V_target])."""
+
+    def __init__(self, drafter: DsparkDrafter, temperatures: list[float] | None = None, sample: bool = False):
         super().__init__()
         self.drafter = drafter
+        self.sample = sample
         self.temperatures = [float(t) for t in (temperatures or [1.0] * drafter.cfg.num_draft)]
 
-    def forward(self, anchor, past_lens, slot_ids, *past):
+    def forward(self, anchor, past_lens, slot_ids, *rest):
+        sampling, past = (rest[:2], rest[2:]) if self.sample else ((), rest)
         d, cfg = self.drafter, self.drafter.cfg
         r = anchor.shape[0]
         masks = torch.full_like(anchor, cfg.mask_token_id)[:, None].expand(r, cfg.query_len - 1)
@@ -82,13 +96,13 @@ class DsparkDraftGraph(nn.Module):
         rows = d.sample_rows(hidden)
         w1 = d.markov_head.markov_w1.weight.float()
         w2 = d.markov_head.markov_w2.weight.float()
-        toks, conf = markov_op([d.base_logits(rows), d.confidence_base(rows), anchor, w1, w2,
-                                d.confidence_markov_weight(), d.d2t], cfg.num_draft, cfg.logit_scale,
-                               cfg.draft_topk or 0)
+        toks, conf, *probs = markov_op([d.base_logits(rows), d.confidence_base(rows), anchor, w1, w2,
+                                        d.confidence_markov_weight(), d.d2t, *sampling], cfg.num_draft,
+                                       cfg.logit_scale, cfg.draft_topk or 0)
         ones = torch.ones_like(past_lens, dtype=torch.float32)
         (surv,) = call_op("Survival", [conf, ones, torch.zeros_like(past_lens)],
                           {"temperatures": self.temperatures}, [torch.float32], [[r, cfg.num_draft]])
-        return toks, conf, surv
+        return (toks, conf, surv, *probs)
 
 
 def _export(module, args, input_names, output_names, dynamic_shapes, path: Path) -> None:
@@ -107,8 +121,9 @@ def _export(module, args, input_names, output_names, dynamic_shapes, path: Path)
 
 
 def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
-                  temperatures: list[float] | None = None) -> dict[str, Path]:
-    """Write both graphs into out_dir; returns {"context": path, "draft": path}."""
+                  temperatures: list[float] | None = None, sample: bool = False) -> dict[str, Path]:
+    """Write the graphs into out_dir; returns {"context": path, "draft": path} (+ "sample": the
+    MarkovSample flavour of the draft graph, for batches with sampled requests, when sample=True)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter = drafter.float().eval()
@@ -131,7 +146,16 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
     shapes = ({0: r}, {0: r}, {0: r}, tuple({0: p} for _ in range(2 * layers)))  # *past is one vararg
     _export(DsparkDraftGraph(drafter, temperatures), draft_args, DRAFT_INPUTS + past_names(layers), DRAFT_OUTPUTS,
             shapes, out_dir / DRAFT_FILE)
-    return {"context": out_dir / CONTEXT_FILE, "draft": out_dir / DRAFT_FILE}
+    paths = {"context": out_dir / CONTEXT_FILE, "draft": out_dir / DRAFT_FILE}
+    if sample:
+        n = cfg.num_draft
+        sample_args = draft_args[:3] + (torch.tensor([0.0, 0.7, 1.0][:ex_r]), torch.rand(ex_r, n)) + past
+        shapes = ({0: r}, {0: r}, {0: r}, ({0: r}, {0: r}, *({0: p} for _ in range(2 * layers))))  # one vararg
+        _export(DsparkDraftGraph(drafter, temperatures, sample=True), sample_args,
+                DRAFT_INPUTS + SAMPLE_INPUTS + past_names(layers), DRAFT_OUTPUTS + ["draft_probs"], shapes,
+                out_dir / SAMPLE_FILE)
+        paths["sample"] = out_dir / SAMPLE_FILE
+    return paths
 
 
 # ------------------------------------------------------------------ the target graph with aux outputs
