@@ -91,6 +91,8 @@ def test_observe_and_draft_refuse_gaps_and_empty_context(setup):
     with pytest.raises(DsparkError, match="at least one observed context token"):
         rt.draft([0], [5])
     rt.observe(0, np.zeros((5, 2 * 48), np.float32), 0)
+    with pytest.raises(DsparkError, match="sampling graph"):
+        rt.draft([0], [5], temperature=[0.7], uniforms=[[0.5, 0.5, 0.5]])
     rt.rollback(0, 2)
     assert rt.context_len[0] == 2
     with pytest.raises(DsparkError, match="exceeds max_context 8"):
@@ -110,11 +112,16 @@ def test_artifact_records_the_dspark_drafter_and_runs(tmp_path):
     m = load_manifest(art)
     assert m.validate() == [] and m.drafter_kind == "dspark"
     assert m.draft["max_draft"] == 2 and m.draft["confidence"] == "fallback"
-    assert m.draft["dspark"]["aux_layers"] == [1, 3] and set(m.graphs) == {"draft", "target", "dspark_context"}
+    assert m.draft["dspark"]["aux_layers"] == [1, 3]
+    assert set(m.graphs) == {"draft", "draft_sample", "target", "dspark_context"}
     assert m.graphs["target"]["outputs"][-1]["name"] == "aux_hidden"
     rt = DsparkDrafting.from_artifact(art)
     rt.observe(1, np.random.default_rng(0).standard_normal((4, 96)).astype(np.float32), 0)
     d = rt.draft([1], [7])
-    assert d.tokens.shape == (1, 2) and (d.confidence_logits == 0).all()
+    assert d.tokens.shape == (1, 2) and (d.confidence_logits == 0).all() and d.probs is None
+    g = rt.draft([1, 1], [7, 7], temperature=[0.0, 1.0], uniforms=np.full((2, 2), 0.3, np.float32))
+    assert g.probs.shape == (2, 2, 120) and np.allclose(g.probs.sum(-1), 1.0, atol=1e-5)
+    assert g.tokens[0].tolist() == d.tokens[0].tolist()  # T = 0 rows draft greedily
+    assert all(g.probs[i, j, g.tokens[i, j]] > 0 for i in range(2) for j in range(2))
     with pytest.raises(DsparkError, match="--force"):
         export_dspark_artifact(target_dir, draft_dir, art, max_batch=2, max_context=32)

@@ -1,7 +1,8 @@
 """A complete artifact for a target + DSpark drafter: three graphs, the tokenizer and a manifest.
 
 * ``target.onnx``: the target step with the extra ``aux_hidden`` output (exporter/dspark_export.py);
-* ``dspark_draft.onnx`` (manifest graph ``draft``) and ``dspark_context.onnx`` (graph ``dspark_context``);
+* ``dspark_draft.onnx`` (manifest graph ``draft``), ``dspark_draft_sample.onnx`` (graph ``draft_sample``,
+  MarkovSample for batches with sampled requests) and ``dspark_context.onnx`` (graph ``dspark_context``);
 * ``manifest.json`` with ``draft.kind = "dspark"`` and ``draft.dspark`` (DsparkConfig.summary()).
   ``draft.max_draft`` is the drafter's block size N (all N drafts come from one pass; the budget solver
   verifies a prefix of them). Old readers see the usual sections; ``graphs.dspark_context`` is extra.
@@ -24,7 +25,7 @@ CONTEXT_GRAPH = "dspark_context"
 
 def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
                            overwrite: bool = False) -> Path:
-    from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, TARGET_FILE, export_dspark,
+    from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
                                                    export_target_with_aux)
     from dspark_trt.exporter.export import _eos_id, _io, _versions, plan_dims
     from dspark_trt.manifest import now_iso, sha256_file
@@ -50,7 +51,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent))
     try:
         export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch)
-        export_dspark(drafter, tmp, num_slots=max_batch)
+        export_dspark(drafter, tmp, num_slots=max_batch, sample=True)
         shutil.copyfile(tok_src, tmp / "tokenizer.json")
         dims, limits = plan_dims(max_batch, n, max_context)
         tc, lc = target.config, cfg.layers
@@ -69,10 +70,11 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
             "sources": {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None},
             "graphs": {"draft": {"file": DRAFT_FILE, **_io(tmp / DRAFT_FILE)},
                        "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
+                       "draft_sample": {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
                        CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}},
             "files": {},
         }
-        for name in (DRAFT_FILE, TARGET_FILE, CONTEXT_FILE, "tokenizer.json"):
+        for name in (DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, CONTEXT_FILE, "tokenizer.json"):
             manifest["files"][name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if out_dir.exists():

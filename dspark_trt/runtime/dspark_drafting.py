@@ -29,11 +29,12 @@ class DsparkDraft(NamedTuple):
     tokens: np.ndarray  # [R, N] int64, target vocabulary
     confidence_logits: np.ndarray  # [R, N] float32 (all 0 for a head-less drafter)
     survival: np.ndarray  # [R, N] float32: running product of the calibrated confidences
+    probs: np.ndarray | None = None  # [R, N, V_target] q of each draft (sampling flavour only)
 
 
 class DsparkDrafting:
     def __init__(self, context_path: str | Path, draft_path: str | Path, *, num_slots: int, max_context: int,
-                 threads: int | None = None):
+                 sample_path: str | Path | None = None, threads: int | None = None):
         import onnxruntime as ort
 
         opts = ort.SessionOptions()
@@ -42,6 +43,8 @@ class DsparkDrafting:
             opts.intra_op_num_threads = threads
         self.context = ort.InferenceSession(str(context_path), opts, providers=["CPUExecutionProvider"])
         self.draft_graph = ort.InferenceSession(str(draft_path), opts, providers=["CPUExecutionProvider"])
+        self.sample_graph = (ort.InferenceSession(str(sample_path), opts, providers=["CPUExecutionProvider"])
+                             if sample_path is not None else None)
         past = [i for i in self.draft_graph.get_inputs() if i.name.startswith("past_key_values.")]
         self.num_layers = len(past) // 2
         _, slots, kv_heads, head_dim = past[0].shape
@@ -62,8 +65,10 @@ class DsparkDrafting:
         if m.drafter_kind != "dspark":
             raise DsparkError(f"{artifact_dir} holds a {m.drafter_kind} drafter, not a DSpark one")
         d = Path(artifact_dir)
+        sample = m.graphs.get("draft_sample")
         return cls(d / m.graphs["dspark_context"]["file"], d / m.graphs["draft"]["file"],
-                   num_slots=m.limits["max_batch"], max_context=m.limits["max_context"], threads=threads)
+                   num_slots=m.limits["max_batch"], max_context=m.limits["max_context"],
+                   sample_path=d / sample["file"] if sample else None, threads=threads)
 
     def observe(self, slot: int, aux: np.ndarray, start: int) -> None:
         """Verified context: aux [T, F] hidden states of the target at positions start .. start + T - 1."""
@@ -87,8 +92,11 @@ class DsparkDrafting:
     def release(self, slot: int) -> None:
         self.context_len[slot] = 0
 
-    def draft(self, slots, anchors) -> DsparkDraft:
-        """One block pass for the given slots; anchors [R] are the tokens at position context_len[slot]."""
+    def draft(self, slots, anchors, temperature=None, uniforms=None) -> DsparkDraft:
+        """One block pass for the given slots; anchors [R] are the tokens at position context_len[slot].
+
+        With temperature [R] (and uniforms [R, N] in [0, 1)) and some T > 0, the sampling graph draws the
+        drafts and returns q (`probs`) for SampleAccept; otherwise the greedy graph runs (no [R, N, V])."""
         slots = np.asarray(slots, np.int64)
         past_lens = self.context_len[slots]
         if (past_lens < 1).any():
@@ -98,5 +106,11 @@ class DsparkDrafting:
         for i in range(self.num_layers):
             feeds[f"past_key_values.{i}.key"] = self.keys[i][:p]
             feeds[f"past_key_values.{i}.value"] = self.values[i][:p]
+        if temperature is not None and (np.asarray(temperature) > 0).any():
+            if self.sample_graph is None:
+                raise DsparkError("sampled requests need the DSpark sampling graph (export with sample=True)")
+            feeds["temperature"] = np.asarray(temperature, np.float32)
+            feeds["uniforms"] = np.asarray(uniforms, np.float32)
+            return DsparkDraft(*self.sample_graph.run(None, feeds))
         tokens, conf, surv = self.draft_graph.run(None, feeds)
         return DsparkDraft(tokens, conf, surv)
