@@ -26,7 +26,7 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target model directory (HF layout).")
 @click.option("--draft", "draft_dir", required=True, type=click.Path(), help="Draft model directory (HF layout).")
 @click.option("--head", "head_dir", type=click.Path(), default=None,
-              help="Directory with confidence_head.safetensors/json (default: the draft directory, if present).")
+              help="Head directory written by train-head or calibrate (default: the draft directory's head, if present).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Artifact directory to write.")
 @click.option("--max-draft", default=7, type=click.IntRange(1, 32), help="Maximum draft length K.")
 @click.option("--max-batch", default=64, type=click.IntRange(1, 4096), help="Maximum concurrent requests.")

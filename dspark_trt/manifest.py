@@ -33,6 +33,11 @@ IO_DTYPES = ("int64", "int32", "float32", "float16", "bfloat16", "bool", "uint8"
 # ONNX-style names of the export dtypes.
 MODEL_DTYPE_TO_ONNX = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 CONFIDENCE_MODES = ("head", "fallback")
+# draft.kind: "classic" (autoregressive draft, N sequential calls; the default, so artifacts written before
+# the field existed load unchanged) or "dspark" (target-conditioned block drafter, `draft.dspark` holds its
+# facts: models/dspark_config.DsparkConfig.summary()).
+DRAFTER_KINDS = ("classic", "dspark")
+DSPARK_INT_FIELDS = ("num_draft", "query_len", "markov_rank", "draft_vocab_size")
 PLUGIN_MODES = ("aot", "jit", "none")
 # Files whose hash must not key cost profiles (the profile itself, written after the key is taken).
 _NOT_IN_ARTIFACT_KEY = ("cost_profile.json",)
@@ -182,6 +187,11 @@ class Manifest:
     @property
     def draft(self) -> dict:
         return self.data["draft"]
+
+    @property
+    def drafter_kind(self) -> str:
+        """draft.kind, "classic" when absent (artifacts written before the field existed)."""
+        return (self.data.get("draft") or {}).get("kind", "classic")
 
     @property
     def limits(self) -> dict:
@@ -407,6 +417,19 @@ class Manifest:
             need_str(draft, "draft", "arch")
             for k in ("hidden_size", "num_layers", "num_kv_heads", "head_dim", "max_draft"):
                 need_int(draft, "draft", k)
+            kind = draft.get("kind", "classic")
+            if kind not in DRAFTER_KINDS:
+                add(f"draft.kind: {kind!r}, expected one of {', '.join(DRAFTER_KINDS)}")
+            elif kind == "dspark":
+                ds = draft.get("dspark")
+                if not isinstance(ds, dict):
+                    add("draft.dspark: missing or not an object (required when draft.kind is 'dspark')")
+                else:
+                    for k in DSPARK_INT_FIELDS:
+                        need_int(ds, "draft.dspark", k)
+                    aux = ds.get("aux_layers")
+                    if not isinstance(aux, list) or not aux or not all(_is_int(a) and a >= 0 for a in aux):
+                        add("draft.dspark.aux_layers: missing or not a non-empty list of layer capture points")
             if draft.get("confidence") not in CONFIDENCE_MODES:
                 add(f"draft.confidence: {draft.get('confidence')!r}, expected one of {', '.join(CONFIDENCE_MODES)}")
             temps = draft.get("temperatures")

@@ -12,7 +12,7 @@ from dspark_trt.cli import cli
 from dspark_trt.errors import DsparkError
 from dspark_trt.models.checkpoint import save_decoder
 from dspark_trt.models.config import ModelConfig
-from dspark_trt.models.confidence_head import HEAD_CONFIG, load_head
+from dspark_trt.models.confidence_head import HEAD_CONFIG, HEAD_WEIGHTS, load_head
 from dspark_trt.models.decoder import Decoder
 from dspark_trt.training import calibration, head_training, metrics
 from dspark_trt.training.calibration import calibrate_arrays, fit_temperatures, survival_of
@@ -202,7 +202,7 @@ def test_calibrate_cli_writes_a_new_head_report_and_pngs(trained, tmp_path, monk
     # The calibrated head is the input's weights with the new temperatures; no input changed.
     temps = [p["temperature"] for p in data["positions"]]
     assert load_head(out).temperatures == pytest.approx(temps)
-    assert (out / "confidence_head.safetensors").read_bytes() == (trained / "head" / "confidence_head.safetensors").read_bytes()
+    assert (out / HEAD_WEIGHTS).read_bytes() == (trained / "head" / HEAD_WEIGHTS).read_bytes()
     meta = json.loads((out / HEAD_CONFIG).read_text())
     assert "training" in meta  # calibration keeps the training record
     assert {name: snapshot(trained / name) for name in inputs} == inputs
@@ -220,6 +220,7 @@ def test_calibrate_cli_writes_a_new_head_report_and_pngs(trained, tmp_path, monk
     assert res.exit_code == 1 and "is the --head directory" in str(res.exception)
     args[-3] = str(tmp_path / "again")
     (tmp_path / "again").mkdir()
+    (tmp_path / "again" / HEAD_CONFIG).parent.mkdir()
     (tmp_path / "again" / HEAD_CONFIG).write_text("{}")
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 1 and "--force" in str(res.exception)
@@ -233,7 +234,8 @@ def test_calibrate_fewer_positions_keeps_later_temperatures(trained, tmp_path):
 
     head = tmp_path / "head"
     head.mkdir()
-    for name in ("confidence_head.safetensors", HEAD_CONFIG):
+    (head / HEAD_CONFIG).parent.mkdir()
+    for name in (HEAD_WEIGHTS, HEAD_CONFIG):
         (head / name).write_bytes((trained / "head" / name).read_bytes())
     save_temperatures(head, [1.0, 1.0, 7.5])
     res = calibration.calibrate(trained / "target", trained / "draft", trained / "heldout", head_dir=head,

@@ -173,3 +173,25 @@ def test_manifest_module_imports_without_heavy_deps():
     code = ("import sys; import dspark_trt.manifest, dspark_trt.runtime.engine_check; "
             "bad = [m for m in ('torch', 'onnx', 'tensorrt') if m in sys.modules]; print(bad); assert not bad")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_drafter_kind_defaults_to_classic_and_dspark_needs_its_facts():
+    def draft_problems(m):
+        return [p for p in m.validate() if p.startswith("draft")]
+
+    old = Manifest.create(**sections())
+    assert "kind" not in old.draft and old.drafter_kind == "classic" and draft_problems(old) == []
+    s = sections()
+    s["draft"]["kind"] = "dspark"
+    m = Manifest.create(**s)
+    assert m.drafter_kind == "dspark"
+    assert draft_problems(m) == ["draft.dspark: missing or not an object (required when draft.kind is 'dspark')"]
+    m.draft["dspark"] = {"kind": "dspark", "aux_layers": [2, 5], "num_draft": 3, "query_len": 3, "markov_rank": 8,
+                         "draft_vocab_size": 32}
+    assert draft_problems(m) == []
+    m.draft["dspark"]["aux_layers"] = []
+    m.draft["dspark"]["markov_rank"] = "8"
+    assert draft_problems(m) == ["draft.dspark.markov_rank: missing or not an integer",
+                            "draft.dspark.aux_layers: missing or not a non-empty list of layer capture points"]
+    m.draft["kind"] = "eagle"
+    assert draft_problems(m) == ["draft.kind: 'eagle', expected one of classic, dspark"]

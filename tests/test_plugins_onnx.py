@@ -37,6 +37,9 @@ def op_model(op_name, opset=18, float_type="float32", attach=True, **attrs):
 
 _SESSIONS = {}
 
+# Attributes each op needs in a one-node test model.
+NEEDED_ATTRS = {"Survival": {"temperatures": [1.0]}, "MarkovDraft": {"steps": 3}, "MarkovSample": {"steps": 2}}
+
 
 def run(model, feeds: dict):
     key = model.SerializeToString()
@@ -55,14 +58,15 @@ def _ort_value(v):
 
 @pytest.fixture(scope="module")
 def models():
-    return {name: op_model(name, **({"temperatures": [1.0]} if name == "Survival" else {})) for name in OPS}
+    return {name: op_model(name, **NEEDED_ATTRS.get(name, {})) for name in OPS}
 
 
 # ------------------------------------------------------------------------------------------- structure
 @pytest.mark.parametrize("opset", [18, 21])
 def test_models_pass_the_full_checker(opset):
     for name in OPS:
-        model = op_model(name, opset=opset, **({"temperatures": [0.5, 1.0]} if name == "Survival" else {}))
+        model = op_model(name, opset=opset, **({"temperatures": [0.5, 1.0]} if name == "Survival"
+                                                else NEEDED_ATTRS.get(name, {})))
         onnx.checker.check_model(model, full_check=True)
         (f,) = model.functions
         assert (f.domain, f.name) == ("dspark", name)
@@ -74,10 +78,12 @@ def test_models_pass_the_full_checker(opset):
 
 
 # Standard ops the bodies may use: all imported natively by the TensorRT ONNX parser; no Loop/Scan/If.
-ALLOWED_BODY_OPS = {"Abs", "Add", "And", "Cast", "Constant", "ConstantOfShape", "CumSum", "Div", "Equal", "Exp",
-                    "Gather", "GatherElements", "Greater", "GreaterOrEqual", "Identity", "Less", "LessOrEqual",
-                    "Log", "Max", "Min", "Mul", "Neg", "Not", "Or", "Range", "ReduceMax", "ReduceSum",
-                    "ScatterElements", "Shape", "Squeeze", "Sub", "Unsqueeze", "Where"}
+# (MarkovDraft/MarkovSample add Concat, Expand, MatMul, TopK and Transpose: their bodies are unrolled
+# over the draft positions.)
+ALLOWED_BODY_OPS = {"Abs", "Add", "And", "Cast", "Concat", "Constant", "ConstantOfShape", "CumSum", "Div", "Equal",
+                    "Exp", "Expand", "Gather", "GatherElements", "Greater", "GreaterOrEqual", "Identity", "Less", "LessOrEqual",
+                    "Log", "MatMul", "Max", "Min", "Mul", "Neg", "Not", "Or", "Range", "ReduceMax", "ReduceSum",
+                    "ScatterElements", "Shape", "Squeeze", "Sub", "TopK", "Transpose", "Unsqueeze", "Where"}
 
 
 @pytest.mark.parametrize("float_type", ["float32", "float16"])
@@ -90,7 +96,7 @@ def test_bodies_use_only_ops_and_dtypes_tensorrt_imports(float_type):
     except Exception as exc:  # the exporter is developed in parallel; the table is its data file
         pytest.skip(f"TensorRT op table not available: {exc}")
     for name in OPS:
-        model = op_model(name, float_type=float_type, **({"temperatures": [1.0]} if name == "Survival" else {}))
+        model = op_model(name, float_type=float_type, **NEEDED_ATTRS.get(name, {}))
         flat = onnx.shape_inference.infer_shapes(onnx.inliner.inline_local_functions(model), strict_mode=True)
         types = {v.name: v.type.tensor_type.elem_type
                  for v in (*flat.graph.input, *flat.graph.value_info, *flat.graph.output)}

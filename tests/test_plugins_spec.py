@@ -12,8 +12,8 @@ from dspark_trt.plugins import launch, spec
 
 
 # ------------------------------------------------------------------------------------------------ spec
-def test_ops_are_the_three_with_exact_signatures():
-    assert list(spec.OPS) == ["Survival", "GreedyAccept", "SampleAccept"]
+def test_ops_are_the_five_with_exact_signatures():
+    assert list(spec.OPS) == ["Survival", "GreedyAccept", "SampleAccept", "MarkovDraft", "MarkovSample"]
     s, g, a = spec.OPS["Survival"], spec.OPS["GreedyAccept"], spec.OPS["SampleAccept"]
     assert s.input_names == ["logits", "prev", "start"] and s.output_names == ["survival"]
     assert [x.name for x in s.attributes] == ["temperatures"] and s.attr("temperatures").type == "FLOATS"
@@ -24,7 +24,17 @@ def test_ops_are_the_three_with_exact_signatures():
     assert a.output_names == ["accepted", "next_token"]
     for op in spec.OPS.values():
         assert (op.domain, op.version, op.plugin_id) == ("dspark", 1, f"dspark::{op.name}")
-        assert all(t.dtypes == ("int64",) for t in op.outputs if t.name != "survival")
+        assert all(t.dtypes == ("int64",) for t in op.outputs
+                   if t.name not in ("survival", "confidence_logits", "draft_probs"))
+    m = spec.OPS["MarkovDraft"]
+    assert m.input_names == ["base_logits", "conf_base", "anchor", "markov_w1", "markov_w2", "conf_w", "d2t"]
+    assert m.output_names == ["draft_tokens", "confidence_logits"]
+    assert [(x.name, x.type, x.required, x.default) for x in m.attributes] == [
+        ("steps", "INT", True, None), ("logit_scale", "FLOAT", False, 1.0), ("draft_topk", "INT", False, 0)]
+    ms = spec.OPS["MarkovSample"]
+    assert ms.input_names == m.input_names + ["temperature", "uniforms"] and ms.attributes == m.attributes
+    assert ms.output_names == ["draft_tokens", "confidence_logits", "draft_probs"]
+    assert ms.outputs[2].shape == ("R", "N", "T")
     assert s.outputs[0].dtypes == ("float32",) and s.outputs[0].shape == ("R", "J")
 
 
@@ -179,6 +189,23 @@ def test_registration_against_the_plugin_api(plugins):
     assert [c[1] for c in tune] == spec.plugin_type_combinations("GreedyAccept")
     assert mod._input_dtypes("Survival", Desc((1, 1), trt.bfloat16), Desc((1,), trt.float32),
                              Desc((1,), trt.int64)) == {"logits": "bfloat16", "prev": "float32", "start": "int64"}
+
+
+def test_markov_plugins_register_with_the_shapes_of_the_spec(plugins):
+    mod, trt = plugins
+    Desc = trt.plugin.TensorDesc
+    mod.register(["aot", "jit"])
+    reg = trt.plugin.QDP_REGISTRY
+    markov_in = [Desc((4, 7, 500), trt.float16), Desc((4, 7), trt.float32), Desc((4,), trt.int64),
+                 Desc((600, 32), trt.float32), Desc((500, 32), trt.float32), Desc((32,), trt.float32),
+                 Desc((500,), trt.int64)]
+    toks, conf = reg["dspark::MarkovDraft"].register_func(*markov_in, 7, 1.0, 0)
+    assert [e.constant_value() for e in toks.shape_expr] == [4, 7] == [e.constant_value() for e in conf.shape_expr]
+    assert (toks.dtype, conf.dtype) == (trt.int64, trt.float32)
+    *_, probs = reg["dspark::MarkovSample"].register_func(*markov_in, Desc((4,), trt.float32),
+                                                          Desc((4, 7), trt.float32), 7, 1.0, 0)
+    assert [e.constant_value() for e in probs.shape_expr] == [4, 7, 600]  # in the target vocabulary
+    assert probs.dtype == trt.float32
 
 
 def test_jit_only_registration_builds_jit_for_any_request(plugins):

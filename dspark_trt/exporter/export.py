@@ -104,13 +104,14 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     from dspark_trt.exporter.build_modules import load_steps
     from dspark_trt.exporter.onnx_export import export_draft, export_target
     from dspark_trt.models.checkpoint import check_same_vocab, torch_dtype
+    from dspark_trt.models.confidence_head import has_head
     from dspark_trt.models.config import load_config
 
     target_dir, draft_dir, out_dir = Path(target_dir), Path(draft_dir), Path(out_dir)
     for name, d in (("--target", target_dir), ("--draft", draft_dir)):
         if not d.is_dir():
             raise DsparkError(f"{name} directory {d} does not exist")
-    if head_dir is None and (draft_dir / "confidence_head.safetensors").is_file():
+    if head_dir is None and has_head(draft_dir):  # dspark_head/ subfolder, or a legacy top-level head
         head_dir = draft_dir
     if head_dir is not None and not Path(head_dir).is_dir():
         raise DsparkError(f"--head directory {head_dir} does not exist")

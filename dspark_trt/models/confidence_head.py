@@ -22,8 +22,15 @@ from torch import nn
 
 from dspark_trt.errors import DsparkError
 
-HEAD_WEIGHTS = "confidence_head.safetensors"
-HEAD_CONFIG = "confidence_head.json"
+# The head lives in a subfolder of the draft directory: vLLM (and transformers) read every top-level
+# *.safetensors of a model folder (a non-recursive glob) and fail on tensors the architecture does not
+# have, so a head file beside model.safetensors made our draft folders unloadable there. Artifacts
+# written before keep loading: LEGACY_* (top level) are read when the subfolder has no head.
+HEAD_SUBDIR = "dspark_head"
+HEAD_WEIGHTS = f"{HEAD_SUBDIR}/confidence_head.safetensors"
+HEAD_CONFIG = f"{HEAD_SUBDIR}/confidence_head.json"
+LEGACY_HEAD_WEIGHTS = "confidence_head.safetensors"
+LEGACY_HEAD_CONFIG = "confidence_head.json"
 # Statistics of q = softmax(draft logits) that a head may use, in this order.
 DRAFT_STATS = ("log_max_prob", "entropy", "log_margin")
 DEFAULT_STATS = DRAFT_STATS
@@ -99,38 +106,51 @@ class ConfidenceHead(nn.Module):
         from safetensors.torch import save_file
 
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
         weights = out_dir / HEAD_WEIGHTS
-        if weights.exists() and not overwrite:
-            raise DsparkError(f"{weights} exists; pass --force to overwrite it")
+        for existing in (weights, out_dir / LEGACY_HEAD_WEIGHTS):
+            if existing.exists() and not overwrite:
+                raise DsparkError(f"{existing} exists; pass --force to overwrite it")
+        weights.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.detach().float().contiguous() for k, v in self.state_dict().items()}, str(weights))
         (out_dir / HEAD_CONFIG).write_text(json.dumps(self.meta(), indent=2) + "\n")
+        for legacy in (LEGACY_HEAD_WEIGHTS, LEGACY_HEAD_CONFIG):  # replaced: keep the folder vLLM-loadable
+            (out_dir / legacy).unlink(missing_ok=True)
         return weights
 
 
-def has_head(head_dir: str | Path) -> bool:
+def head_files(head_dir: str | Path) -> tuple[Path, Path] | None:
+    """(weights, config) of the head in head_dir: the subfolder layout, else the legacy top-level files."""
     d = Path(head_dir)
-    return (d / HEAD_WEIGHTS).is_file() and (d / HEAD_CONFIG).is_file()
+    for w, c in ((HEAD_WEIGHTS, HEAD_CONFIG), (LEGACY_HEAD_WEIGHTS, LEGACY_HEAD_CONFIG)):
+        if (d / w).is_file() and (d / c).is_file():
+            return d / w, d / c
+    return None
+
+
+def has_head(head_dir: str | Path) -> bool:
+    return head_files(head_dir) is not None
 
 
 def load_head(head_dir: str | Path) -> ConfidenceHead:
     from safetensors.torch import load_file
 
-    d = Path(head_dir)
-    if not has_head(d):
+    files = head_files(head_dir)
+    if files is None:
         raise DsparkError(f"no {HEAD_WEIGHTS} + {HEAD_CONFIG} in {head_dir}: train one with `dspark-trt train-head`")
-    meta = json.loads((d / HEAD_CONFIG).read_text())
+    weights, config = files
+    meta = json.loads(config.read_text())
     head = ConfidenceHead(meta["hidden_size"], meta["vocab_size"], meta["rank"], meta["max_draft"],
                           meta.get("temperatures"), meta.get("stats") or ())
     try:
-        head.load_state_dict(load_file(str(d / HEAD_WEIGHTS)))
+        head.load_state_dict(load_file(str(weights)))
     except RuntimeError as e:
-        raise DsparkError(f"{d / HEAD_WEIGHTS} does not match {d / HEAD_CONFIG}: {str(e).splitlines()[0]}") from None
+        raise DsparkError(f"{weights} does not match {config}: {str(e).splitlines()[0]}") from None
     return head.eval()
 
 
 def save_temperatures(head_dir: str | Path, temperatures: list[float]) -> None:
-    path = Path(head_dir) / HEAD_CONFIG
+    files = head_files(head_dir)
+    path = files[1] if files is not None else Path(head_dir) / HEAD_CONFIG
     meta = json.loads(path.read_text())
     meta["temperatures"] = [float(t) for t in temperatures]
     path.write_text(json.dumps(meta, indent=2) + "\n")

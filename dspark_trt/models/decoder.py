@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark_trt.errors import DsparkError
 from dspark_trt.models.config import ModelConfig
 
 
@@ -196,22 +197,36 @@ class Decoder(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [..., T, 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def forward_dense(self, tokens: torch.Tensor, return_hidden: bool = False):
-        """tokens [B, S] from position 0 -> logits [B, S, V] (and final hidden states)."""
+    def forward_dense(self, tokens: torch.Tensor, return_hidden: bool = False, aux_layers=()):
+        """tokens [B, S] from position 0 -> logits [B, S, V] (and final hidden states).
+
+        `aux_layers` (capture points, see `check_aux_layers`) adds a last return value: the residual
+        stream at each point, concatenated in the given order ([B, S, len(aux_layers) * hidden])."""
+        aux_layers = self.check_aux_layers(aux_layers)
         x = self.model.embed_tokens(tokens)
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = self.rope(positions, x.dtype)
-        for layer in self.model.layers:
+        captured = {0: x} if 0 in aux_layers else {}
+        for i, layer in enumerate(self.model.layers):
             x = x + layer.self_attn.forward_dense(layer.input_layernorm(x), cos, sin)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i + 1 in aux_layers:
+                captured[i + 1] = x
         h = self.model.norm(x)
         logits = self.lm_head(h)
-        return (logits, h) if return_hidden else logits
+        out = (logits, h) if return_hidden else (logits,)
+        if aux_layers:
+            out = out + (torch.cat([captured[k] for k in aux_layers], dim=-1),)
+        return out if len(out) > 1 else out[0]
 
-    def forward_packed(self, batch: PackedBatch):
-        """-> final hidden states [N, hidden], new keys and values per layer ([N, KVH, D] each)."""
+    def forward_packed(self, batch: PackedBatch, aux_layers=()):
+        """-> final hidden states [N, hidden], new keys and values per layer ([N, KVH, D] each), and,
+        only when `aux_layers` is given, the auxiliary hidden states [N, len(aux_layers) * hidden]
+        (the residual stream at each capture point, in the given order) that a DSpark drafter reads."""
+        aux_layers = self.check_aux_layers(aux_layers)
         x = self.model.embed_tokens(batch.tokens)
         cos, sin = self.rope(batch.positions, x.dtype)
+        captured = {0: x} if 0 in aux_layers else {}
         new_keys, new_values = [], []
         for i, layer in enumerate(self.model.layers):
             attn, k, v = layer.self_attn.forward_packed(layer.input_layernorm(x), cos, sin, batch, i)
@@ -219,7 +234,24 @@ class Decoder(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             new_keys.append(k)
             new_values.append(v)
+            if i + 1 in aux_layers:
+                captured[i + 1] = x
+        if aux_layers:
+            aux = torch.cat([captured[k] for k in aux_layers], dim=-1)
+            return self.model.norm(x), new_keys, new_values, aux
         return self.model.norm(x), new_keys, new_values
+
+    def check_aux_layers(self, aux_layers) -> tuple[int, ...]:
+        """Capture points for auxiliary hidden states: k = the residual stream after k decoder layers
+        (0 = the embeddings, L = the last layer's output before the final norm). This is vLLM's
+        aux-hidden-state numbering; a DFlash/DSpark `target_layer_ids` entry i is capture point i + 1."""
+        aux_layers = tuple(int(k) for k in (aux_layers or ()))
+        n = self.config.num_hidden_layers
+        bad = [k for k in aux_layers if not 0 <= k <= n]
+        if bad:
+            raise DsparkError(f"auxiliary hidden-state capture point {bad[0]} is outside 0..{n} "
+                              f"(the target has {n} layers)")
+        return aux_layers
 
     def empty_cache(self, slots: int, length: int = 0, dtype=torch.float32):
         c = self.config

@@ -5,6 +5,7 @@
 * :mod:`.onnx_functions`  model-local ONNX FunctionProtos, ``attach_functions``            (onnx)
 * :mod:`.launch`          grids and block sizes                                             (no deps)
 * :mod:`.kernels`         Triton kernels, torch launchers, AOT PTX compilation              (torch, triton)
+* :mod:`.markov_kernels`  the Markov ops' Triton kernels (the DSpark sequential stage)    (torch, triton)
 * :mod:`.ptx`             the PTX ISA the AOT kernels are emitted in                        (no deps)
 * :mod:`.tensorrt_plugins` TensorRT plugin registration, ``register(impls)``                (tensorrt)
 

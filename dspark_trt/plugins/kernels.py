@@ -30,6 +30,9 @@ import triton
 import triton.language as tl
 
 from dspark_trt.plugins import launch
+from dspark_trt.plugins.markov_kernels import AOT_LAYOUT as _MARKOV_LAYOUT
+from dspark_trt.plugins.markov_kernels import SAMPLE_AOT_LAYOUT as _MARKOV_SAMPLE_LAYOUT
+from dspark_trt.plugins.markov_kernels import markov_draft_kernel, markov_sample_kernel  # noqa: F401 (AOT by name)
 from dspark_trt.plugins.spec import check_temperatures
 
 
@@ -321,6 +324,8 @@ AOT_LAYOUT = {
                                               ("in", "accept_uniforms"), ("in", "sample_uniforms"),
                                               ("scalar", "R"), ("scalar", "M"), ("scalar", "V"),
                                               ("out", "accepted"), ("out", "next_token")]),
+    "MarkovDraft": _MARKOV_LAYOUT,
+    "MarkovSample": _MARKOV_SAMPLE_LAYOUT,
 }
 
 
@@ -361,7 +366,11 @@ def aot_signature(op_name: str, input_dtypes: dict[str, str] | None = None) -> d
     return sig
 
 
-def aot_constexprs(op_name: str, vocab: int | None = None, temperatures: Sequence[float] | None = None) -> dict:
+def aot_constexprs(op_name: str, vocab: int | None = None, temperatures: Sequence[float] | None = None,
+                   rank: int | None = None, logit_scale: float = 1.0, draft_topk: int = 0) -> dict:
+    if op_name in ("MarkovDraft", "MarkovSample"):
+        cfg = launch.markov_launch(0, launch.MAX_BLOCK_V if vocab is None else vocab, rank or launch.MAX_BLOCK_K)
+        return {"SCALE": float(logit_scale), "TOPK": int(draft_topk), **cfg.constexprs}
     if op_name == "Survival":
         temps = tuple(check_temperatures(temperatures if temperatures is not None else []))
         cfg = launch.aot_survival_launch()
@@ -369,15 +378,18 @@ def aot_constexprs(op_name: str, vocab: int | None = None, temperatures: Sequenc
     return dict(launch.aot_accept_launch(vocab).constexprs)  # vocab None: not static, largest block
 
 
-def aot_num_warps(op_name: str, vocab: int | None = None) -> int:
+def aot_num_warps(op_name: str, vocab: int | None = None, rank: int | None = None) -> int:
+    if op_name in ("MarkovDraft", "MarkovSample"):
+        return launch.markov_launch(0, launch.MAX_BLOCK_V if vocab is None else vocab,
+                                    rank or launch.MAX_BLOCK_K).num_warps
     if op_name == "Survival":
         return launch.aot_survival_launch().num_warps
     return launch.aot_accept_launch(vocab).num_warps
 
 
 def compile_ptx(op_name: str, *, input_dtypes: dict[str, str] | None = None, vocab: int | None = None,
-                temperatures: Sequence[float] | None = None, target: tuple[str, int, int] | None = None
-                ) -> CompiledKernel:
+                temperatures: Sequence[float] | None = None, target: tuple[str, int, int] | None = None,
+                **markov) -> CompiledKernel:
     """Compile an op's kernel to PTX for the TensorRT AOT plugin.
 
     target: (backend, compute capability as int, warp size), e.g. ("cuda", 90, 32); default: the current
@@ -394,12 +406,12 @@ def compile_ptx(op_name: str, *, input_dtypes: dict[str, str] | None = None, voc
     kernel_name, layout = AOT_LAYOUT[op_name]
     kernel = globals()[kernel_name]
     sig = aot_signature(op_name, input_dtypes)
-    consts = aot_constexprs(op_name, vocab, temperatures)
+    consts = aot_constexprs(op_name, vocab, temperatures, **markov)  # markov: rank, logit_scale, draft_topk
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
     if target is None:
         target = _current_target()
     # PTX ISA pinned to what the drivers of the supported TensorRT range accept (plugins/ptx.py).
-    options = {"num_warps": aot_num_warps(op_name, vocab), "enable_fp_fusion": FP_FUSION,
+    options = {"num_warps": aot_num_warps(op_name, vocab, markov.get("rank")), "enable_fp_fusion": FP_FUSION,
                "ptx_version": ptx_isa.ptx_isa_for(int(target[1]))}
     compiled = triton.compile(src, target=GPUTarget(*target), options=options)
     md = compiled.metadata

@@ -69,3 +69,17 @@ def aot_accept_launch(vocab: int | None) -> Launch:
     for real models), else the largest block; V itself is a runtime argument, so any V is correct. The
     grid is the dynamic R, set symbolically by the plugin."""
     return accept_launch(0, MAX_BLOCK_V if vocab is None else vocab)
+
+
+MARKOV_TILE = 16384  # elements of one [BLOCK_V, BLOCK_K] markov_w2 tile held in registers
+MAX_BLOCK_K = 256
+
+
+def markov_launch(requests: int, vocab: int, rank: int) -> Launch:
+    """MarkovDraft: one program per request walks its N positions in order; the draft vocabulary is
+    walked in BLOCK_V chunks of markov_w2 rows, the rank K in one BLOCK_K vector (K <= MAX_BLOCK_K)."""
+    block_k = clamp_block(rank, MIN_BLOCK, MAX_BLOCK_K)
+    block_v = clamp_block(vocab, MIN_BLOCK, max(MIN_BLOCK, MARKOV_TILE // block_k))
+    num_warps = 4 if block_v * block_k >= 4096 else 2 if block_v * block_k >= 1024 else 1
+    return Launch(grid=(max(int(requests), 0), 1, 1), num_warps=num_warps,
+                  constexprs={"BLOCK_V": block_v, "BLOCK_K": block_k})

@@ -227,14 +227,103 @@ def _sample_body(b: _Body) -> list[str]:
     return []
 
 
-_BODIES = {"Survival": _survival_body, "GreedyAccept": _greedy_body, "SampleAccept": _sample_body}
+def _ref_constant(b: _Body, attr_name: str, field: str, attr_type) -> str:
+    """Constant(<field>=@attr_name): the node's attribute value inside the body."""
+    import onnx
+
+    out = b._name(attr_name)
+    attr = onnx.AttributeProto()
+    attr.name, attr.ref_attr_name, attr.type = field, attr_name, attr_type
+    node = b.helper.make_node("Constant", [], [out])
+    node.attribute.append(attr)
+    b.nodes.append(node)
+    return out
 
 
-def function_proto(op_name: str, temperatures: Sequence[float] | None = None, opset: int = DEFAULT_OPSET):
+def _markov_body(b: _Body, steps: int, sample: bool = False) -> list[str]:
+    """MarkovDraft (sample=False) / MarkovSample, unrolled over the `steps` positions (no Loop: the
+    TensorRT parser imports every node)."""
+    import onnx
+
+    base = _float(b, "base_logits")  # [R, N, V]
+    cb = _float(b, "conf_base")  # [R, N]
+    scale = _ref_constant(b, "logit_scale", "value_float", onnx.AttributeProto.FLOAT)
+    k = _ref_constant(b, "draft_topk", "value_int", onnx.AttributeProto.INT)
+    zero_i, one_i = b.const(0, "int64"), b.const(1, "int64")
+    v = _dim(b, "base_logits", 2)
+    iota = b.op("Range", zero_i, v, one_i)
+    vf, iota_vf = _float(b, v), _float(b, iota)
+    # top-k candidates, once for all positions: the k-th (value, index) in TopK's order is the threshold
+    k_eff = b.op("Min", b.op("Max", k, one_i), v)
+    top = [b._name("topk_values"), b._name("topk_indices")]
+    b.nodes.append(b.helper.make_node("TopK", [base, _unsq(b, k_eff, 0)], top, axis=-1, largest=1, sorted=1))
+    kth = b.op("Sub", k_eff, one_i)
+    thr_val = _unsq(b, b.op("Gather", top[0], kth, axis=2), 2)
+    thr_idx = _unsq(b, b.op("Gather", top[1], kth, axis=2), 2)
+    cand = b.op("Or", b.op("Greater", base, thr_val),
+                b.op("And", b.op("Equal", base, thr_val), b.op("LessOrEqual", iota, thr_idx)))
+    cand = b.op("Or", cand, b.op("Equal", k, zero_i))
+    neg_inf = b.const(float("-inf"))
+    w2t = b.op("Transpose", "markov_w2", perm=[1, 0])  # [K, V]
+    if sample:
+        zero_f, one_f = b.const(0.0), b.const(1.0)
+        positive = b.op("Greater", "temperature", zero_f)
+        safe_t = _unsq(b, b.op("Where", positive, "temperature", one_f), 1)
+        to_target = _unsq(b, b.op("Add", iota, "d2t"), 0)  # [1, V]
+        r_dim = _dim(b, "base_logits", 0)
+        t_dim = _dim(b, "markov_w1", 0)
+        rt_shape = b.op("Concat", _unsq(b, r_dim, 0), _unsq(b, t_dim, 0), axis=0)
+        zeros_rt = b.op("ConstantOfShape", rt_shape, value=b.helper.make_tensor("v", 1, [1], [0.0]))
+        idx_rv = b.op("Expand", to_target, b.op("Concat", _unsq(b, r_dim, 0), _unsq(b, v, 0), axis=0))
+    prev, toks, confs, probs = "anchor", [], [], []
+    for i in range(steps):
+        ii = b.const(i, "int64")
+        e = b.op("Gather", "markov_w1", prev, axis=0)  # [R, K]
+        x = b.op("Add", b.op("Gather", base, ii, axis=1), b.op("Mul", scale, b.op("MatMul", e, w2t)))
+        x = b.op("Where", b.op("Gather", cand, ii, axis=1), x, neg_inf)
+        d = _lowest_argmax(b, x, vf, iota_vf)
+        if sample:  # q = softmax(x / T) (one-hot of the argmax if T <= 0 or the max is not finite); inverse CDF
+            z = b.op("Div", x, safe_t)
+            zmax = b.op("ReduceMax", z, b.const([1], "int64"), keepdims=1)
+            finite = b.op("Less", b.op("Abs", zmax), b.const(float("inf")))
+            ex = b.op("Exp", b.op("Sub", z, b.op("Where", finite, zmax, zero_f)))
+            soft = b.op("Div", ex, b.op("ReduceSum", ex, b.const([1], "int64"), keepdims=1))
+            greedy = b.op("Or", b.op("Not", _unsq(b, positive, 1)), b.op("Not", finite))
+            onehot = _float(b, b.op("Equal", _unsq(b, iota, 0), _unsq(b, d, 1)))
+            q = b.op("Where", greedy, onehot, soft)
+            u = b.op("Gather", "uniforms", ii, axis=1)
+            thr = b.op("Mul", _unsq(b, u, 1), b.op("ReduceSum", q, b.const([1], "int64"), keepdims=1))
+            count = b.op("ReduceSum", _float(b, b.op("LessOrEqual", b.op("CumSum", q, one_i), thr)),
+                         b.const([1], "int64"), keepdims=0)
+            last_nz = b.op("ReduceMax", b.op("Where", b.op("Greater", q, zero_f), iota_vf, zero_f),
+                           b.const([1], "int64"), keepdims=0)
+            d = _int64(b, b.op("Min", count, last_nz))
+            probs.append(_unsq(b, b.op("ScatterElements", zeros_rt, idx_rv, q, axis=1), 1))
+        prev = b.op("Add", d, b.op("Gather", "d2t", d, axis=0))
+        toks.append(_unsq(b, prev, 1))
+        c = b.op("Add", b.op("Gather", cb, ii, axis=1),
+                 b.op("ReduceSum", b.op("Mul", e, "conf_w"), b.const([1], "int64"), keepdims=0))
+        confs.append(_unsq(b, c, 1))
+    b.rename(b.op("Concat", *toks, axis=1), "draft_tokens")
+    b.rename(b.op("Concat", *confs, axis=1), "confidence_logits")
+    if sample:
+        b.rename(b.op("Concat", *probs, axis=1), "draft_probs")
+    return ["steps", "logit_scale", "draft_topk"]
+
+
+_BODIES = {"Survival": _survival_body, "GreedyAccept": _greedy_body, "SampleAccept": _sample_body,
+           "MarkovDraft": _markov_body, "MarkovSample": _markov_body}
+MARKOV_OPS = ("MarkovDraft", "MarkovSample")
+
+
+def function_proto(op_name: str, temperatures: Sequence[float] | None = None, opset: int = DEFAULT_OPSET,
+                   steps: int | None = None):
     """The FunctionProto (domain ``dspark``, name = op name) of one op.
 
     For Survival, ``temperatures`` given makes it the attribute's default (nodes may then omit it);
     otherwise the attribute is required on every node. The body always reads the node's value.
+    MarkovDraft's body is unrolled over ``steps`` positions (required for that op; every MarkovDraft
+    node of a model must carry the same ``steps``).
     """
     import onnx.helper
 
@@ -245,7 +334,12 @@ def function_proto(op_name: str, temperatures: Sequence[float] | None = None, op
                           f"export with opset_version >= {MIN_OPSET}")
     op = OPS[op_name]
     b = _Body(op_name.lower())
-    attrs = _BODIES[op_name](b)
+    if op_name in MARKOV_OPS:
+        if not steps or steps < 1:
+            raise DsparkError(f"the {op_name} function body needs steps >= 1 (the node attribute)")
+        attrs = _markov_body(b, int(steps), sample=op_name == "MarkovSample")
+    else:
+        attrs = _BODIES[op_name](b)
     attribute_names, attribute_protos = list(attrs), []
     if op_name == "Survival" and temperatures is not None:
         temps = check_temperatures(temperatures, where="Survival temperatures")
@@ -259,13 +353,13 @@ def function_proto(op_name: str, temperatures: Sequence[float] | None = None, op
 
 
 def function_protos(ops_used: Iterable[str], temperatures: Sequence[float] | None = None,
-                    opset: int = DEFAULT_OPSET) -> list:
+                    opset: int = DEFAULT_OPSET, steps: int | None = None) -> list:
     """FunctionProtos for the given op names (deduplicated, spec order)."""
     wanted = set(ops_used)
     unknown = wanted - set(OPS)
     if unknown:
         raise DsparkError(f"unknown dspark op(s) {sorted(unknown)}; known: {', '.join(sorted(OPS))}")
-    return [function_proto(name, temperatures, opset) for name in OPS if name in wanted]
+    return [function_proto(name, temperatures, opset, steps=steps) for name in OPS if name in wanted]
 
 
 def _iter_nodes(graph):
@@ -305,6 +399,7 @@ def attach_functions(model, temperatures: Sequence[float] | None = None):
 
     nodes = dspark_nodes(model)
     used: list[str] = []
+    steps = None
     for n in nodes:
         if n.op_type not in OPS:
             raise DsparkError(f"node {n.name or n.op_type!r} uses unknown dspark op {n.op_type!r}; "
@@ -316,6 +411,12 @@ def attach_functions(model, temperatures: Sequence[float] | None = None):
         if n.op_type == "Survival" and temperatures is None:
             if not any(a.name == "temperatures" for a in n.attribute):
                 raise DsparkError(f"Survival node {n.name!r} has no temperatures attribute")
+        if n.op_type in MARKOV_OPS:
+            node_steps = next((a.i for a in n.attribute if a.name == "steps"), None)
+            if node_steps is None or (steps is not None and node_steps != steps):
+                raise DsparkError(f"{n.op_type} node {n.name!r}: every MarkovDraft/MarkovSample node of a model "
+                                  f"needs the same steps attribute (found {node_steps} and {steps})")
+            steps = node_steps
         if n.op_type not in used:
             used.append(n.op_type)
     if not used:
@@ -330,7 +431,7 @@ def attach_functions(model, temperatures: Sequence[float] | None = None):
     elif have != VERSION:
         raise DsparkError(f"model imports domain {DOMAIN!r} version {have}; this dspark-trt provides version "
                           f"{VERSION}")
-    new = function_protos(used, temperatures=temperatures, opset=opset)
+    new = function_protos(used, temperatures=temperatures, opset=opset, steps=steps)
     keep = [f for f in model.functions if not (f.domain == DOMAIN and f.name in set(used))]
     del model.functions[:]
     model.functions.extend(keep + new)

@@ -311,3 +311,109 @@ def survival_cases(seed: int = 0) -> dict[str, tuple]:
     cases["tiny_temperature"] = (rng.standard_normal((3, 70)).astype(F32), np.ones(3, F32),
                                  np.zeros(3, np.int64), [1e-4, 1.0])
     return cases
+
+
+# ------------------------------------------------------------------------------------- MarkovDraft
+def topk_mask(x, k: int) -> np.ndarray:
+    """Boolean mask of the k largest entries along the last axis, ties at the k-th value broken toward
+    the lower index (ONNX TopK's order); k <= 0 or k >= V selects everything."""
+    x = np.asarray(x, dtype=F32)
+    v = x.shape[-1]
+    if k <= 0 or k >= v:
+        return np.ones(x.shape, dtype=bool)
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    mask = np.zeros(x.shape, dtype=bool)
+    np.put_along_axis(mask, order, True, axis=-1)
+    return mask
+
+
+def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, *, steps: int,
+                 logit_scale: float = 1.0, draft_topk: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """MarkovDraft: greedy sequential Markov stage of a DSpark draft step -> (draft_tokens [R, N] int64,
+    confidence_logits [R, N] float32). See spec.MARKOV_DRAFT."""
+    base = np.asarray(base_logits, dtype=F32)
+    if base.ndim != 3 or base.shape[1] != steps:
+        raise ValueError(f"MarkovDraft.base_logits must be [R, {steps}, V], got shape {base.shape}")
+    cb = np.asarray(conf_base, dtype=F32)
+    w1, w2 = np.asarray(markov_w1, dtype=F32), np.asarray(markov_w2, dtype=F32)
+    wc, d2t = np.asarray(conf_w, dtype=F32), np.asarray(d2t, dtype=np.int64)
+    r, n, _ = base.shape
+    cand = topk_mask(base, draft_topk)
+    prev = np.asarray(anchor, dtype=np.int64).reshape(r)
+    tokens, conf = np.zeros((r, n), np.int64), np.zeros((r, n), F32)
+    for i in range(n):
+        e = w1[prev]  # [R, K]
+        x = base[:, i] + F32(logit_scale) * (e @ w2.T)
+        x = np.where(cand[:, i], x, F32(-np.inf))
+        d = argmax_lowest(x)
+        prev = d + d2t[d]
+        tokens[:, i] = prev
+        conf[:, i] = cb[:, i] + e @ wc
+    return tokens, conf
+
+
+def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms, *,
+                  steps: int, logit_scale: float = 1.0, draft_topk: int = 0):
+    """MarkovSample -> (draft_tokens [R, N] int64, confidence_logits [R, N], draft_probs [R, N, T] float32).
+    See spec.MARKOV_SAMPLE."""
+    base = np.asarray(base_logits, dtype=F32)
+    if base.ndim != 3 or base.shape[1] != steps:
+        raise ValueError(f"MarkovSample.base_logits must be [R, {steps}, V], got shape {base.shape}")
+    cb = np.asarray(conf_base, dtype=F32)
+    w1, w2 = np.asarray(markov_w1, dtype=F32), np.asarray(markov_w2, dtype=F32)
+    wc, d2t = np.asarray(conf_w, dtype=F32), np.asarray(d2t, dtype=np.int64)
+    temp, u = np.asarray(temperature, dtype=F32), np.asarray(uniforms, dtype=F32)
+    r, n, v = base.shape
+    cand = topk_mask(base, draft_topk)
+    to_target = np.arange(v) + d2t
+    prev = np.asarray(anchor, dtype=np.int64).reshape(r)
+    tokens, conf = np.zeros((r, n), np.int64), np.zeros((r, n), F32)
+    probs = np.zeros((r, n, w1.shape[0]), F32)
+    for i in range(n):
+        e = w1[prev]
+        x = np.where(cand[:, i], base[:, i] + F32(logit_scale) * (e @ w2.T), F32(-np.inf))
+        q, _ = target_probs(x, temp)
+        d = inverse_cdf(q, u[:, i])
+        prev = to_target[d]
+        tokens[:, i] = prev
+        conf[:, i] = cb[:, i] + e @ wc
+        probs[:, i, to_target] = q
+    return tokens, conf, probs
+
+
+def markov_sample_cases(seed: int = 0) -> dict[str, dict]:
+    """Named MarkovSample inputs: the MarkovDraft cases plus temperatures (greedy rows included) and uniforms."""
+    rng = np.random.default_rng(seed + 100)
+    cases = {}
+    for name, c in markov_cases(seed).items():
+        r, n = c["conf_base"].shape
+        temp = rng.choice(np.array([0.0, 0.5, 1.0, 1.7], F32), r)
+        temp[0] = 1.0
+        cases[name] = dict(c, temperature=temp, uniforms=rng.random((r, n)).astype(F32))
+    return cases
+
+
+def markov_cases(seed: int = 0) -> dict[str, dict]:
+    """Named MarkovDraft inputs (keyword arguments of `markov_draft`)."""
+    rng = np.random.default_rng(seed)
+
+    def case(r, n, v, t, k, *, topk=0, reduced=False, scale=1.0):
+        d2t = np.zeros(v, np.int64)
+        if reduced:
+            keep = np.sort(rng.choice(t, size=v, replace=False))
+            d2t = keep - np.arange(v)
+        return dict(base_logits=(rng.standard_normal((r, n, v)) * 2).astype(F32),
+                    conf_base=rng.standard_normal((r, n)).astype(F32), anchor=rng.integers(0, t, r),
+                    markov_w1=rng.standard_normal((t, k)).astype(F32), markov_w2=rng.standard_normal((v, k)).astype(F32),
+                    conf_w=rng.standard_normal(k).astype(F32), d2t=d2t, steps=n, logit_scale=scale, draft_topk=topk)
+
+    cases = {"dense": case(3, 4, 50, 50, 6), "one_step": case(2, 1, 33, 33, 4),
+             "reduced_vocab": case(3, 5, 40, 90, 8, reduced=True), "topk": case(4, 4, 60, 60, 5, topk=3),
+             "topk_reduced_scaled": case(2, 6, 30, 70, 4, topk=7, reduced=True, scale=0.6),
+             "large_vocab": case(2, 3, 5000, 5000, 16, topk=0), "zero_rank_weights": case(2, 3, 20, 20, 3)}
+    z = cases["zero_rank_weights"]
+    z["markov_w1"][:] = 0.0  # no bias: pure base argmax; base has ties -> lowest index
+    z["base_logits"][:, :, 5:9] = 10.0
+    t = cases["topk"]
+    t["base_logits"][0, 0, [2, 7, 11, 40]] = 9.0  # four-way tie at the top with k = 3: indices 2, 7, 11
+    return cases

@@ -158,7 +158,59 @@ SAMPLE_ACCEPT = OpSpec(
         "with w > 0. With T_r <= 0 and one-hot q the result equals GreedyAccept.",
 )
 
-OPS: dict[str, OpSpec] = {op.name: op for op in (SURVIVAL, GREEDY_ACCEPT, SAMPLE_ACCEPT)}
+MARKOV_DRAFT = OpSpec(
+    name="MarkovDraft",
+    inputs=(
+        TensorSpec("base_logits", _F, ("R", "N", "V"),
+                   "the DSpark block pass's draft-vocabulary logits of the N sampled rows, already times "
+                   "logit_scale (the model's lm_head output)"),
+        TensorSpec("conf_base", _F, ("R", "N"), "confidence-head logit from the hidden state: w_h . h_i + b"),
+        TensorSpec("anchor", _I64, ("R",), "the anchor token (target vocabulary): prev before position 0"),
+        TensorSpec("markov_w1", _F32, ("T", "K"), "Markov embedding table, one row per target token"),
+        TensorSpec("markov_w2", _F32, ("V", "K"), "Markov projection to the draft vocabulary"),
+        TensorSpec("conf_w", _F32, ("K",), "confidence-head weight on the Markov embedding (zeros: none)"),
+        TensorSpec("d2t", _I64, ("V",), "draft id i is target id i + d2t[i] (zeros: same vocabulary)"),
+    ),
+    outputs=(
+        TensorSpec("draft_tokens", _I64, ("R", "N"), "greedy draft tokens, target vocabulary"),
+        TensorSpec("confidence_logits", _F32, ("R", "N"),
+                   "conf_base[r,i] + conf_w . e_i (feed to Survival for calibrated survivals)"),
+    ),
+    attributes=(
+        AttrSpec("steps", "INT", "N, the number of sequential positions (must equal base_logits dim 1)"),
+        AttrSpec("logit_scale", "FLOAT", "the model's logit scale, applied to the Markov bias", required=False,
+                 default=1.0),
+        AttrSpec("draft_topk", "INT", "k > 0: only the k largest base logits of a position are candidates "
+                 "(ties at the k-th value: lower index first); 0: every logit", required=False, default=0),
+    ),
+    doc="The sequential stage of a DSpark draft step (greedy). For i = 0..N-1 with prev_0 = anchor: "
+        "e_i = markov_w1[prev_i]; x_i = base_logits[r,i] + logit_scale * (markov_w2 @ e_i), -inf outside "
+        "the top-k candidates when draft_topk > 0; d_i = lowest-index argmax of x_i; draft token "
+        "t_i = d_i + d2t[d_i]; prev_{i+1} = t_i; confidence logit c_i = conf_base[r,i] + conf_w . e_i. "
+        "Only [R, N] tokens and logits leave the op; no [R, N, V] probabilities.",
+)
+
+MARKOV_SAMPLE = OpSpec(
+    name="MarkovSample",
+    inputs=MARKOV_DRAFT.inputs + (
+        TensorSpec("temperature", _F32, ("R",), "sampling temperature; T <= 0 means greedy (one-hot q)"),
+        TensorSpec("uniforms", _F32, ("R", "N"), "u in [0, 1) for the draw at each position"),
+    ),
+    outputs=MARKOV_DRAFT.outputs + (
+        TensorSpec("draft_probs", _F32, ("R", "N", "T"),
+                   "q of each position in the target vocabulary (0 outside the draft vocabulary): the "
+                   "SampleAccept draft_probs rows"),
+    ),
+    attributes=MARKOV_DRAFT.attributes,
+    doc="MarkovDraft with sampling, for requests with T > 0 (greedy batches use MarkovDraft and move no "
+        "[R, N, V] tensor). x_i as in MarkovDraft; q_i = softmax(x_i / T_r), one-hot of the lowest-index "
+        "argmax when T_r <= 0 or the row maximum of x_i / T_r is not finite; d_i = the smallest index "
+        "with cumsum(q_i) > u[r,i] * sum(q_i), clamped to the last index with q_i > 0; token "
+        "t_i = d_i + d2t[d_i]; prev_{i+1} = t_i; draft_probs[r,i,d + d2t[d]] = q_i[d].",
+)
+
+OPS: dict[str, OpSpec] = {op.name: op for op in (SURVIVAL, GREEDY_ACCEPT, SAMPLE_ACCEPT, MARKOV_DRAFT,
+                                                 MARKOV_SAMPLE)}
 
 # Node attributes that the TensorRT ONNX parser consumes itself (they are not op attributes):
 # plugin_namespace selects the plugin, plugin_version its version, aot (0/1) forces the JIT or AOT
@@ -225,6 +277,12 @@ def make_node(op_name: str, inputs: Sequence[str], outputs: Sequence[str], name:
 
 
 def _check_attr(op_name: str, a: AttrSpec, value: Any) -> Any:
+    if a.type == "INT":
+        if int(value) != value or int(value) < (1 if a.name == "steps" else 0):
+            raise ValueError(f"{op_name}.{a.name} must be an integer >= {1 if a.name == 'steps' else 0}, got {value!r}")
+        return int(value)
+    if a.type == "FLOAT":
+        return float(value)
     if a.type == "FLOATS":
         vals = [float(v) for v in value]
         if a.name == "temperatures":

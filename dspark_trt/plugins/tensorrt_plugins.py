@@ -1,6 +1,7 @@
 """TensorRT plugins for the dspark ops (Python "quickly deployable plugins", ``tensorrt.plugin``).
 
-``register(impls)`` registers ``dspark::Survival``, ``dspark::GreedyAccept`` and ``dspark::SampleAccept``
+``register(impls)`` registers ``dspark::Survival``, ``dspark::GreedyAccept``, ``dspark::SampleAccept``,
+``dspark::MarkovDraft`` and ``dspark::MarkovSample``
 with the implementations asked for ("aot", "jit"; idempotent, and more can be added later); call it
 (``trt_env.load_plugins``) before parsing an ONNX file so the parser maps the dspark nodes
 (``plugin_namespace="dspark"``) to these plugins instead of importing their function bodies.
@@ -245,6 +246,92 @@ def sample_accept_aot_impl(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc
     return _aot_result("SampleAccept", inputs, r, {"R": r, "M": m, "V": v}, vocab=_static(v))
 
 
+# -------------------------------------------------------------------------------------- MarkovDraft
+def markov_draft_desc(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                      markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                      d2t: trtp.TensorDesc, steps: int, logit_scale: float, draft_topk: int
+                      ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
+    return _outputs("MarkovDraft", base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t)
+
+
+def markov_draft_autotune(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                          markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                          d2t: trtp.TensorDesc, outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
+    return _autotune("MarkovDraft")
+
+
+def markov_draft_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor: trtp.Tensor,
+                      markov_w1: trtp.Tensor, markov_w2: trtp.Tensor, conf_w: trtp.Tensor, d2t: trtp.Tensor,
+                      steps: int, logit_scale: float, draft_topk: int, outputs: Tuple[trtp.Tensor],
+                      stream: int) -> None:
+    import torch
+
+    from dspark_trt.plugins import markov_kernels
+
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        ts = _cuda(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, *outputs)
+        markov_kernels.markov_draft(*ts[:7], steps=int(steps), logit_scale=float(logit_scale),
+                                    draft_topk=int(draft_topk), out=tuple(ts[7:]))
+
+
+def markov_draft_aot_impl(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                          markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                          d2t: trtp.TensorDesc, steps: int, logit_scale: float, draft_topk: int,
+                          outputs: Tuple[trtp.TensorDesc], tactic: int
+                          ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
+                                     trtp.SymExprs]:
+    r, n, v = (base_logits.shape_expr[i] for i in range(3))
+    k = markov_w1.shape_expr[1]
+    inputs = (base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t)
+    return _aot_result("MarkovDraft", inputs, r, {"R": r, "N": n, "V": v, "K": k}, vocab=_static(v),
+                       rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk))
+
+
+# ------------------------------------------------------------------------------------- MarkovSample
+def markov_sample_desc(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                       markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                       d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc, steps: int,
+                       logit_scale: float, draft_topk: int
+                       ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
+    return _outputs("MarkovSample", base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature,
+                    uniforms)
+
+
+def markov_sample_autotune(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                           markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                           d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc,
+                           outputs: Tuple[trtp.TensorDesc]) -> List[trtp.AutoTuneCombination]:
+    return _autotune("MarkovSample")
+
+
+def markov_sample_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor: trtp.Tensor,
+                       markov_w1: trtp.Tensor, markov_w2: trtp.Tensor, conf_w: trtp.Tensor, d2t: trtp.Tensor,
+                       temperature: trtp.Tensor, uniforms: trtp.Tensor, steps: int, logit_scale: float,
+                       draft_topk: int, outputs: Tuple[trtp.Tensor], stream: int) -> None:
+    import torch
+
+    from dspark_trt.plugins import markov_kernels
+
+    with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
+        ts = _cuda(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms,
+                   *outputs)
+        markov_kernels.markov_sample(*ts[:9], steps=int(steps), logit_scale=float(logit_scale),
+                                     draft_topk=int(draft_topk), out=tuple(ts[9:]))
+
+
+def markov_sample_aot_impl(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
+                           markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
+                           d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc,
+                           steps: int, logit_scale: float, draft_topk: int, outputs: Tuple[trtp.TensorDesc],
+                           tactic: int) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
+                                                 trtp.SymExprs]:
+    r, n, v = (base_logits.shape_expr[i] for i in range(3))
+    t, k = markov_w1.shape_expr[0], markov_w1.shape_expr[1]
+    inputs = (base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms)
+    return _aot_result("MarkovSample", inputs, r, {"R": r, "N": n, "V": v, "K": k, "T": t}, vocab=_static(v),
+                       rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk))
+
+
 # ------------------------------------------------------------------------------------- registration
 _FUNCTIONS = {  # plugin id -> (register, autotune, JIT impl, AOT impl)
     "dspark::Survival": (survival_desc, survival_autotune, survival_impl, survival_aot_impl),
@@ -252,6 +339,9 @@ _FUNCTIONS = {  # plugin id -> (register, autotune, JIT impl, AOT impl)
                              greedy_accept_aot_impl),
     "dspark::SampleAccept": (sample_accept_desc, sample_accept_autotune, sample_accept_impl,
                              sample_accept_aot_impl),
+    "dspark::MarkovDraft": (markov_draft_desc, markov_draft_autotune, markov_draft_impl, markov_draft_aot_impl),
+    "dspark::MarkovSample": (markov_sample_desc, markov_sample_autotune, markov_sample_impl,
+                             markov_sample_aot_impl),
 }
 REGISTERED = tuple(op.plugin_id for op in spec.OPS.values())
 IMPLS = ("aot", "jit")

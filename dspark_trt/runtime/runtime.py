@@ -189,10 +189,11 @@ class Runtime:
         for checking an exported artifact against its sources."""
         from dspark_trt.exporter.build_modules import load_steps
         from dspark_trt.exporter.export import manifest_facts
+        from dspark_trt.models.confidence_head import has_head
         from dspark_trt.runtime.backends.torch_backend import TorchBackend
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
-        if head_dir is None and (Path(draft_dir) / "confidence_head.safetensors").is_file():
+        if head_dir is None and has_head(draft_dir):
             head_dir = draft_dir
         draft, _, head = load_steps(target_dir, draft_dir, head_dir, dtype, max_draft)
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, draft.temperatures,

@@ -184,7 +184,7 @@ def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_
     any work, and so is the data (at least MIN_CONTEXTS distinct contexts)."""
     import time
 
-    from dspark_trt.models.confidence_head import load_head, save_temperatures
+    from dspark_trt.models.confidence_head import head_files, load_head, save_temperatures
     from dspark_trt.models.config import load_config
     from dspark_trt.outputs import check_out_file
     from dspark_trt.training.head_output import check_head_out, copy_head, write_head_dir
@@ -219,7 +219,7 @@ def calibrate(target_dir, draft_dir, data, head_dir=None, report_path=None, max_
     result = calibrate_arrays(z, ro.survival(labels), ro.fallback_conf, ro.survival_greedy, n_bins, strategy,
                               labels=labels)
     temps = list(result.temperatures) + [float(t) for t in head.temperatures[max_draft:]]
-    head_labels = (json.loads((head_dir / "confidence_head.json").read_text()).get("training") or {}).get("labels")
+    head_labels = (json.loads(head_files(head_dir)[1].read_text()).get("training") or {}).get("labels")
     result.summary["head_labels"] = head_labels
     result.summary["warnings"] = bias_warnings(result, head_labels)
     result.summary.update({"data": str(data), "head_dir": str(head_dir), "seed": seed, "rollout": ro.info,

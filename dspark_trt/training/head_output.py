@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Callable
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.models.confidence_head import HEAD_CONFIG, HEAD_WEIGHTS
+from dspark_trt.models.confidence_head import (HEAD_CONFIG, HEAD_SUBDIR, HEAD_WEIGHTS, LEGACY_HEAD_CONFIG,
+                                               LEGACY_HEAD_WEIGHTS, head_files)
 from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 
-HEAD_FILES = (HEAD_WEIGHTS, HEAD_CONFIG)
+HEAD_ENTRIES = (HEAD_SUBDIR, LEGACY_HEAD_WEIGHTS, LEGACY_HEAD_CONFIG)  # what a head directory may hold
 STAGING_PREFIX = ".head-"
 
 
@@ -32,7 +33,7 @@ def check_head_out(out_dir, overwrite: bool, inputs: dict, command: str) -> Path
             raise DsparkError(f"--out {out_dir} is the {option} directory: {command} never modifies its inputs; "
                               f"write the head to a new directory")
     if out.is_dir() and any(out.iterdir()):
-        others = sorted(p.name for p in out.iterdir() if p.name not in HEAD_FILES)
+        others = sorted(p.name for p in out.iterdir() if p.name not in HEAD_ENTRIES)
         if others:
             more = ", ..." if len(others) > 3 else ""
             raise DsparkError(f"--out {out_dir} holds files that are not a confidence head ({', '.join(others[:3])}"
@@ -52,5 +53,10 @@ def write_head_dir(out: Path, write: Callable[[Path], None]) -> Path:
 
 
 def copy_head(src, dst) -> None:
-    for name in HEAD_FILES:
-        shutil.copyfile(Path(src) / name, Path(dst) / name)
+    """Copy the head in `src` (either layout) into `dst` in the current layout."""
+    files = head_files(src)
+    if files is None:
+        raise DsparkError(f"no confidence head in {src}")
+    (Path(dst) / HEAD_WEIGHTS).parent.mkdir(parents=True, exist_ok=True)
+    for f, name in zip(files, (HEAD_WEIGHTS, HEAD_CONFIG)):
+        shutil.copyfile(f, Path(dst) / name)

@@ -250,9 +250,10 @@ def train_head(target_dir, draft_dir, data, out_dir=None, max_draft: int = 7, st
                labels: str = "expected", seed: int = 0, overwrite: bool = False, *, num_contexts: int | None = None,
                context_len: int | None = None, batch_size: int = 32, lr: float = 3e-3, stats=DEFAULT_STATS,
                prev_embed: bool = True, progress: bool = True) -> Path:
-    """Train the confidence head of the draft into the new head directory `out_dir` (confidence_head.safetensors
-    + .json, written atomically; an existing head there is replaced only with overwrite); returns the weights
-    path. Never writes into the model directories.
+    """Train the confidence head of the draft into the new head directory `out_dir` (written atomically; an
+    existing head there is replaced only with overwrite); returns the weights path. The head lives in a
+    dspark_head/ subfolder (models/confidence_head.py), so a draft folder holding it still loads in vLLM.
+    Never writes into the model directories.
 
     num_contexts x max_draft labelled positions are rolled out from `data` (see rollout.py).
     """

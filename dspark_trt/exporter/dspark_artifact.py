@@ -1,0 +1,86 @@
+"""A complete artifact for a target + DSpark drafter: three graphs, the tokenizer and a manifest.
+
+* ``target.onnx``: the target step with the extra ``aux_hidden`` output (exporter/dspark_export.py);
+* ``dspark_draft.onnx`` (manifest graph ``draft``), ``dspark_draft_sample.onnx`` (graph ``draft_sample``,
+  MarkovSample for batches with sampled requests) and ``dspark_context.onnx`` (graph ``dspark_context``);
+* ``manifest.json`` with ``draft.kind = "dspark"`` and ``draft.dspark`` (DsparkConfig.summary()).
+  ``draft.max_draft`` is the drafter's block size N (all N drafts come from one pass; the budget solver
+  verifies a prefix of them). Old readers see the usual sections; ``graphs.dspark_context`` is extra.
+
+`dspark-trt export` does not call this yet (exporter/export.py is being reworked in parallel): the hook
+is ``if is_dspark_dir(draft_dir): return export_dspark_artifact(...)`` at the top of export_artifacts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from dspark_trt.errors import DsparkError
+
+CONTEXT_GRAPH = "dspark_context"
+
+
+def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
+                           overwrite: bool = False) -> Path:
+    from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
+                                                   export_target_with_aux)
+    from dspark_trt.exporter.export import _eos_id, _io, _versions, plan_dims
+    from dspark_trt.manifest import now_iso, sha256_file
+    from dspark_trt.models.checkpoint import load_decoder
+    from dspark_trt.models.dspark_drafter import load_dspark_drafter
+
+    target_dir, draft_dir, out_dir = Path(target_dir), Path(draft_dir), Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise DsparkError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
+    tok_src = target_dir / "tokenizer.json"
+    if not tok_src.is_file():
+        raise DsparkError(f"no tokenizer.json in {target_dir}: the artifact needs the target's tokenizer")
+    if max_batch < 2:
+        raise DsparkError("--max-batch must be >= 2 for a DSpark artifact")
+    target = load_decoder(target_dir)
+    if max_context > target.config.max_position_embeddings:
+        raise DsparkError(f"--max-context {max_context} exceeds the target's max_position_embeddings "
+                          f"{target.config.max_position_embeddings}")
+    drafter = load_dspark_drafter(draft_dir, target_dir)
+    cfg = drafter.cfg
+    n = cfg.num_draft
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent))
+    try:
+        export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch)
+        export_dspark(drafter, tmp, num_slots=max_batch, sample=True)
+        shutil.copyfile(tok_src, tmp / "tokenizer.json")
+        dims, limits = plan_dims(max_batch, n, max_context)
+        tc, lc = target.config, cfg.layers
+        manifest = {
+            "format": "dspark-trt-artifact", "format_version": 1, "tools": _versions(),
+            "created": now_iso(),
+            "model": {"arch": tc.model_type, "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
+                      "num_layers": tc.num_hidden_layers, "num_kv_heads": tc.num_key_value_heads,
+                      "head_dim": tc.head_dim, "dtype": "fp32", "max_context": max_context},
+            "draft": {"arch": lc.model_type, "hidden_size": lc.hidden_size, "num_layers": lc.num_hidden_layers,
+                      "num_kv_heads": lc.num_key_value_heads, "head_dim": lc.head_dim, "max_draft": n,
+                      "confidence": "head" if drafter.confidence_head is not None else "fallback",
+                      "temperatures": [1.0] * n, "kind": "dspark", "dspark": cfg.summary()},
+            "limits": limits, "dims": dims,
+            "tokenizer": {"file": "tokenizer.json", "eos_token_id": _eos_id(tok_src)},
+            "sources": {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None},
+            "graphs": {"draft": {"file": DRAFT_FILE, **_io(tmp / DRAFT_FILE)},
+                       "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
+                       "draft_sample": {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
+                       CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}},
+            "files": {},
+        }
+        for name in (DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, CONTEXT_FILE, "tokenizer.json"):
+            manifest["files"][name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir

@@ -1,0 +1,215 @@
+"""Export a DSpark drafter (see models/dspark_drafter.py) as two ONNX graphs.
+
+* ``dspark_context.onnx``: aux [T, F] (the target's hidden states at the drafter's capture points),
+  positions [T] -> ``context.{i}.key`` / ``context.{i}.value`` [T, KVH, D] per draft layer: the
+  context-KV precompute. The runtime writes them into the draft's context cache at the verified
+  positions (and rolls back nothing: rejected positions are simply overwritten next step).
+* ``dspark_draft.onnx``: anchor [R], past_lens [R] (context entries per request = the anchor's
+  position), slot_ids [R], the context cache ``past_key_values.{i}.key/value`` [P, S, KVH, D] ->
+  ``draft_tokens`` [R, N] (target ids), ``confidence_logits`` [R, N] and ``survival`` [R, N]. One
+  parallel block pass, then the dspark ops MarkovDraft (the sequential stage) and Survival (calibrated
+  running product of the confidences). Greedy drafting: no [R, N, V] tensor leaves the graph.
+* ``dspark_draft_sample.onnx`` (optional): the same with MarkovSample for batches with sampled requests:
+  inputs + ``temperature`` [R], ``uniforms`` [R, N]; outputs + ``draft_probs`` [R, N, V_target] (q for
+  the lossless SampleAccept; T <= 0 rows draw greedily with a one-hot q).
+
+Both graphs carry the dspark ONNX functions, so ONNX Runtime runs them as exported; TensorRT maps the
+dspark nodes to the plugins in plugins/tensorrt_plugins.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dspark_trt.exporter.graphs import call_op
+from dspark_trt.models.dspark_drafter import DsparkDrafter
+
+CONTEXT_FILE = "dspark_context.onnx"
+DRAFT_FILE = "dspark_draft.onnx"
+CONTEXT_INPUTS = ["aux_hidden", "positions"]
+DRAFT_INPUTS = ["anchor", "past_lens", "slot_ids"]
+DRAFT_OUTPUTS = ["draft_tokens", "confidence_logits", "survival"]
+SAMPLE_FILE = "dspark_draft_sample.onnx"
+SAMPLE_INPUTS = ["temperature", "uniforms"]
+EX_PAST = 6  # example context length for tracing (distinct from every other example size)
+
+
+def context_names(num_layers: int) -> list[str]:
+    return [f"context.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def past_names(num_layers: int) -> list[str]:
+    return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
+def markov_op(inputs: list, steps: int, logit_scale: float, draft_topk: int):
+    """MarkovDraft (7 inputs) or MarkovSample (9: + temperature, uniforms): one custom ONNX node under
+    export, the numpy reference in eager mode."""
+    r = inputs[0].shape[0]
+    sample = len(inputs) == 9
+    name = "MarkovSample" if sample else "MarkovDraft"
+    attrs = {"steps": int(steps), "logit_scale": float(logit_scale), "draft_topk": int(draft_topk)}
+    dtypes = [torch.int64, torch.float32] + ([torch.float32] if sample else [])
+    shapes = [[r, steps], [r, steps]] + ([[r, steps, inputs[3].shape[0]]] if sample else [])
+    if torch.onnx.is_in_onnx_export():
+        return torch.onnx.ops.symbolic_multi_out(f"dspark::{name}", inputs, attrs=dict(attrs, plugin_namespace="dspark"),
+                                                 dtypes=dtypes, shapes=shapes, version=1)
+    from dspark_trt.plugins import reference
+
+    fn = reference.markov_sample if sample else reference.markov_draft
+    outs = fn(*[x.detach().cpu().numpy() for x in inputs], **attrs)
+    return tuple(torch.from_numpy(np.asarray(o)) for o in outs)
+
+
+class DsparkContextGraph(nn.Module):
+    def __init__(self, drafter: DsparkDrafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, aux_hidden, positions):
+        keys, values = self.drafter.context_kv(aux_hidden, positions)
+        return tuple(t for kv in zip(keys, values) for t in kv)
+
+
+class DsparkDraftGraph(nn.Module):
+    """The block pass + MarkovDraft (greedy flavour) or + MarkovSample (sample=True: two more inputs,
+    temperature [R] and uniforms [R, N], and one more output, draft_probs [R, N, V_target])."""
+
+    def __init__(self, drafter: DsparkDrafter, temperatures: list[float] | None = None, sample: bool = False):
+        super().__init__()
+        self.drafter = drafter
+        self.sample = sample
+        self.temperatures = [float(t) for t in (temperatures or [1.0] * drafter.cfg.num_draft)]
+
+    def forward(self, anchor, past_lens, slot_ids, *rest):
+        sampling, past = (rest[:2], rest[2:]) if self.sample else ((), rest)
+        d, cfg = self.drafter, self.drafter.cfg
+        r = anchor.shape[0]
+        masks = torch.full_like(anchor, cfg.mask_token_id)[:, None].expand(r, cfg.query_len - 1)
+        tokens = torch.cat([anchor[:, None], masks], dim=1)
+        hidden = d.block(tokens, list(past[0::2]), list(past[1::2]), slot_ids, past_lens)
+        rows = d.sample_rows(hidden)
+        w1 = d.markov_head.markov_w1.weight.float()
+        w2 = d.markov_head.markov_w2.weight.float()
+        toks, conf, *probs = markov_op([d.base_logits(rows), d.confidence_base(rows), anchor, w1, w2,
+                                        d.confidence_markov_weight(), d.d2t, *sampling], cfg.num_draft,
+                                       cfg.logit_scale, cfg.draft_topk or 0)
+        ones = torch.ones_like(past_lens, dtype=torch.float32)
+        (surv,) = call_op("Survival", [conf, ones, torch.zeros_like(past_lens)],
+                          {"temperatures": self.temperatures}, [torch.float32], [[r, cfg.num_draft]])
+        return (toks, conf, surv, *probs)
+
+
+def _export(module, args, input_names, output_names, dynamic_shapes, path: Path) -> None:
+    import onnx
+
+    from dspark_trt.plugins.onnx_functions import attach_functions
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
+                                    dynamic_shapes=dynamic_shapes, optimize=True, verbose=False,
+                                    external_data=False)
+    model = program.model_proto
+    attach_functions(model)
+    onnx.save(model, str(path))
+
+
+def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
+                  temperatures: list[float] | None = None, sample: bool = False) -> dict[str, Path]:
+    """Write the graphs into out_dir; returns {"context": path, "draft": path} (+ "sample": the
+    MarkovSample flavour of the draft graph, for batches with sampled requests, when sample=True)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drafter = drafter.float().eval()
+    cfg = drafter.cfg
+    layers = cfg.layers.num_hidden_layers
+    dim = torch.export.Dim
+    t, r, p = dim("num_tokens", min=1), dim("num_requests", min=1), dim("past_len", min=1)
+
+    feat = cfg.target_hidden_size * len(cfg.aux_layers)
+    ctx_args = (torch.randn(EX_PAST + 1, feat), torch.arange(EX_PAST + 1, dtype=torch.int64))
+    _export(DsparkContextGraph(drafter), ctx_args, CONTEXT_INPUTS, context_names(layers),
+            ({0: t}, {0: t}), out_dir / CONTEXT_FILE)
+
+    ex_r = 3 if num_slots >= 3 else num_slots
+    kv_shape = (EX_PAST, num_slots, cfg.layers.num_key_value_heads, cfg.layers.head_dim)
+    past = tuple(torch.randn(kv_shape) for _ in range(2 * layers))
+    draft_args = (torch.tensor([3, 1, 4][:ex_r], dtype=torch.int64),
+                  torch.tensor([EX_PAST, 2, 4][:ex_r], dtype=torch.int64),
+                  torch.tensor([2, 0, 1][:ex_r], dtype=torch.int64) % num_slots, *past)
+    shapes = ({0: r}, {0: r}, {0: r}, tuple({0: p} for _ in range(2 * layers)))  # *past is one vararg
+    _export(DsparkDraftGraph(drafter, temperatures), draft_args, DRAFT_INPUTS + past_names(layers), DRAFT_OUTPUTS,
+            shapes, out_dir / DRAFT_FILE)
+    paths = {"context": out_dir / CONTEXT_FILE, "draft": out_dir / DRAFT_FILE}
+    if sample:
+        n = cfg.num_draft
+        sample_args = draft_args[:3] + (torch.tensor([0.0, 0.7, 1.0][:ex_r]), torch.rand(ex_r, n)) + past
+        shapes = ({0: r}, {0: r}, {0: r}, ({0: r}, {0: r}, *({0: p} for _ in range(2 * layers))))  # one vararg
+        _export(DsparkDraftGraph(drafter, temperatures, sample=True), sample_args,
+                DRAFT_INPUTS + SAMPLE_INPUTS + past_names(layers), DRAFT_OUTPUTS + ["draft_probs"], shapes,
+                out_dir / SAMPLE_FILE)
+        paths["sample"] = out_dir / SAMPLE_FILE
+    return paths
+
+
+# ------------------------------------------------------------------ the target graph with aux outputs
+TARGET_FILE = "target_aux.onnx"
+
+
+class DsparkTargetStep(nn.Module):
+    """exporter.graphs.TargetStep plus one output: `aux_hidden` [N, len(aux_layers) * hidden], the target's
+    hidden states at the drafter's capture points for every packed token (only this flavour has it)."""
+
+    def __init__(self, decoder, aux_layers):
+        super().__init__()
+        self.decoder = decoder
+        self.aux_layers = tuple(aux_layers)
+        self.num_layers = decoder.config.num_hidden_layers
+
+    def forward(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                verify_index, verify_lens, draft_tokens, draft_probs, temperature, accept_uniforms,
+                sample_uniforms, *past):
+        from dspark_trt.models.decoder import PackedBatch
+
+        batch = PackedBatch(tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                            list(past[0::2]), list(past[1::2]))
+        hidden, keys, values, aux = self.decoder.forward_packed(batch, aux_layers=self.aux_layers)
+        logits = self.decoder.lm_head(hidden[verify_index]).float()
+        r = verify_lens.shape[0]
+        g_acc, g_next = call_op("GreedyAccept", [logits, draft_tokens, verify_lens], {},
+                                [torch.int64, torch.int64], [[r], [r]])
+        s_acc, s_next = call_op("SampleAccept", [logits, draft_probs, draft_tokens, verify_lens, temperature,
+                                                 accept_uniforms, sample_uniforms], {},
+                                [torch.int64, torch.int64], [[r], [r]])
+        greedy = temperature <= 0
+        present = [t for kv in zip(keys, values) for t in kv]
+        return (torch.where(greedy, g_acc, s_acc), torch.where(greedy, g_next, s_next), *present, aux)
+
+
+def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int) -> Path:
+    """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export)."""
+    from dspark_trt.exporter import onnx_export as ox
+    from dspark_trt.exporter.graphs import TARGET_INPUTS, TARGET_OUTPUTS, kv_names
+
+    step = DsparkTargetStep(decoder.float().eval(), aux_layers)
+    ex = ox._packed_examples(num_slots)
+    vl, ql = ox.EX_VERIFY_LENS, ox.EX_QUERY_LENS
+    m = sum(v + 1 for v in vl)
+    ends = np.cumsum(ql).tolist()
+    ex.update(verify_index=torch.tensor([e - (v + 1) + j for e, v in zip(ends, vl) for j in range(v + 1)]),
+              verify_lens=torch.tensor(vl), draft_tokens=torch.zeros(m, dtype=torch.int64),
+              draft_probs=torch.full((m, decoder.config.vocab_size), 1.0 / decoder.config.vocab_size),
+              temperature=torch.tensor([0.0, 0.7, 1.0]), accept_uniforms=torch.full((m,), 0.5),
+              sample_uniforms=torch.tensor([0.1, 0.5, 0.9]))
+    args = tuple(ex[k] for k in TARGET_INPUTS) + tuple(ox._past(decoder, num_slots, torch.float32))
+    layers = step.num_layers
+    outputs = list(TARGET_OUTPUTS) + kv_names(layers, "present") + ["aux_hidden"]
+    _export(step, args, list(TARGET_INPUTS) + kv_names(layers, "past"), outputs,
+            ox._dynamic_shapes(TARGET_INPUTS, layers), Path(path))
+    return Path(path)

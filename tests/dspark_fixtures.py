@@ -1,0 +1,122 @@
+"""Random-weight checkpoints in vLLM's DSpark draft format (`Qwen3DSparkModel`), written by name.
+
+The tensors are named and shaped from the format (qwen3_dspark.py / qwen3_dflash.py load_weights), not
+from our module, so a naming mistake in the loader fails the tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TARGET = dict(vocab=120, hidden=48, inter=96, layers=4, heads=4, kv_heads=2, head_dim=16)
+
+
+def make_target(root: Path, arch: str = "qwen3", seed: int = 0, tie: bool = False) -> Path:
+    """A random target in HF layout (our Decoder's save path)."""
+    from dspark_trt.models.checkpoint import save_decoder
+    from dspark_trt.models.config import ModelConfig
+    from dspark_trt.models.decoder import Decoder
+
+    t = TARGET
+    cfg = ModelConfig(arch, t["vocab"], t["hidden"], t["inter"], t["layers"], t["heads"], t["kv_heads"],
+                      t["head_dim"], tie_word_embeddings=tie, max_position_embeddings=256, qk_norm=arch == "qwen3")
+    model = Decoder(cfg).init_weights(std=0.1, seed=seed).eval()
+    d = root / "target"
+    save_decoder(model, d, dtype="fp32")
+    return d
+
+
+def draft_config(*, vocab: int = TARGET["vocab"], draft_vocab: int | None = None, layers: int = 2,
+                 target_layer_ids=(0, 2), block_size: int = 4, markov_rank: int = 8, head: bool = True,
+                 head_with_markov: bool = True, causal: bool = False, topk: int | None = None,
+                 sample_from_anchor: bool | None = None, mask_token_id: int = 5, **extra) -> dict:
+    cfg = {
+        "architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "vocab_size": vocab,
+        "hidden_size": TARGET["hidden"], "intermediate_size": 64, "num_hidden_layers": layers, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": 256, "hidden_act": "silu", "tie_word_embeddings": False,
+        "target_hidden_size": TARGET["hidden"], "block_size": block_size,
+        "dflash_config": {"target_layer_ids": list(target_layer_ids), "mask_token_id": mask_token_id,
+                          "causal": causal},
+        "markov_rank": markov_rank, "markov_head_type": "vanilla",
+        "enable_confidence_head": head, "confidence_head_with_markov": head_with_markov,
+    }
+    if draft_vocab is not None:
+        cfg["draft_vocab_size"] = draft_vocab
+    if topk is not None:
+        cfg["dspark_draft_topk"] = topk
+    if sample_from_anchor is not None:
+        cfg["sample_from_anchor"] = sample_from_anchor
+    cfg.update(extra)
+    return cfg
+
+
+def draft_tensors(cfg: dict, *, seed: int = 0, own_embed: bool = False, own_lm_head: bool = False,
+                  head_tensors: bool = True, placeholders: bool = True) -> dict:
+    """Random tensors named as the checkpoint stores them (no `model.` prefix)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, std=0.15):
+        return torch.randn(*shape, generator=g) * std
+
+    h, inter, r = cfg["hidden_size"], cfg["intermediate_size"], cfg["markov_rank"]
+    nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    v = cfg["vocab_size"]
+    vd = cfg.get("draft_vocab_size") or v
+    n_aux = len(cfg["dflash_config"]["target_layer_ids"])
+    t = {}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        t[p + "self_attn.q_proj.weight"] = rnd(nh * hd, h)
+        t[p + "self_attn.k_proj.weight"] = rnd(nkv * hd, h)
+        t[p + "self_attn.v_proj.weight"] = rnd(nkv * hd, h)
+        t[p + "self_attn.o_proj.weight"] = rnd(h, nh * hd)
+        t[p + "self_attn.q_norm.weight"] = 1 + rnd(hd)
+        t[p + "self_attn.k_norm.weight"] = 1 + rnd(hd)
+        t[p + "mlp.gate_proj.weight"] = rnd(inter, h)
+        t[p + "mlp.up_proj.weight"] = rnd(inter, h)
+        t[p + "mlp.down_proj.weight"] = rnd(h, inter)
+        t[p + "input_layernorm.weight"] = 1 + rnd(h)
+        t[p + "post_attention_layernorm.weight"] = 1 + rnd(h)
+    t["fc.weight"] = rnd(h, cfg["target_hidden_size"] * n_aux)
+    t["hidden_norm.weight"] = 1 + rnd(h)
+    t["norm.weight"] = 1 + rnd(h)
+    t["markov_head.markov_w1.weight"] = rnd(v, r, std=0.5)
+    t["markov_head.markov_w2.weight"] = rnd(vd, r, std=0.5)
+    if own_embed:
+        t["embed_tokens.weight"] = rnd(v, h, std=0.5)
+    if own_lm_head or vd < v:
+        t["lm_head.weight"] = rnd(vd, h, std=0.5)
+    if vd < v:  # draft id i -> target id i + d2t[i]: a sorted random subset of the target vocabulary
+        keep = torch.sort(torch.randperm(v, generator=g)[:vd]).values
+        t["d2t"] = keep - torch.arange(vd)
+        if placeholders:
+            t["t2d"] = torch.zeros(v, dtype=torch.bool)
+    if head_tensors:
+        width = h + (r if cfg.get("confidence_head_with_markov") else 0)
+        t["confidence_head.proj.weight"] = rnd(1, width, std=0.3)
+        t["confidence_head.proj.bias"] = rnd(1)
+    if placeholders:
+        t["mask_embedding"] = torch.zeros(h)
+    return t
+
+
+def write_draft(root: Path, cfg: dict, tensors: dict, name: str = "dspark") -> Path:
+    from safetensors.torch import save_file
+
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"),
+              metadata={"format": "pt"})
+    return d
+
+
+def make_draft(root: Path, *, seed: int = 0, name: str = "dspark", own_embed: bool = False,
+               own_lm_head: bool = False, head_tensors: bool = True, **cfg_kw) -> Path:
+    cfg = draft_config(**cfg_kw)
+    return write_draft(root, cfg, draft_tensors(cfg, seed=seed, own_embed=own_embed, own_lm_head=own_lm_head,
+                                                 head_tensors=head_tensors), name=name)
