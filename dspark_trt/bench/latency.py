@@ -93,3 +93,70 @@ def steady_window(timeline: list, requests: list[dict]) -> tuple[int, float] | N
     (t0, n0), (t1, n1) = inside[0], inside[-1]
     return n1 - n0, t1 - t0
 
+
+
+# ------------------------------------------------------------------------------------------- open loop
+
+def percentiles(values, qs=(50, 90, 99)) -> dict:
+    """{'p50': ..., 'p90': ..., 'p99': ...} of ``values`` (numpy's linear interpolation); None for each
+    when there are no values."""
+    return {f"p{q:g}": _pct(values, q) for q in qs}
+
+
+def request_latencies(rec: dict) -> dict:
+    """One open-loop request record -> its latencies in ms, measured from its *scheduled* arrival (a client
+    that fell behind its schedule does not hide the delay):
+
+    - ttft: arrival to the first token; e2e: arrival to the last token;
+    - tpot: (last token - first token) / (tokens - 1), None for a one-token answer;
+    - itl: the gaps between successive deliveries (one delivery may carry several tokens: a speculative
+      step commits them together, and that is when a streaming client sees them);
+    - queue: arrival to admission into a batch slot (None where the client cannot see it, e.g. over HTTP).
+    """
+    at, times, n = rec["arrival_s"], rec.get("token_times_s") or [], int(rec.get("generated_tokens") or 0)
+    out = {"ttft": None, "tpot": None, "e2e": None, "itl": [], "queue": None}
+    if rec.get("admitted_s") is not None:
+        out["queue"] = (rec["admitted_s"] - at) * 1e3
+    if not times:
+        return out
+    out["ttft"] = (times[0] - at) * 1e3
+    out["e2e"] = (times[-1] - at) * 1e3
+    if n > 1:
+        out["tpot"] = (times[-1] - times[0]) / (n - 1) * 1e3
+    out["itl"] = [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    return out
+
+
+def meets_slo(lat: dict, slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> bool:
+    """A completed request meets the SLO when its TTFT and its TPOT are within their limits (None: no limit;
+    a one-token answer has no TPOT and meets any TPOT limit)."""
+    if lat["ttft"] is None:
+        return False
+    if slo_ttft_ms is not None and lat["ttft"] > slo_ttft_ms:
+        return False
+    return slo_tpot_ms is None or lat["tpot"] is None or lat["tpot"] <= slo_tpot_ms
+
+
+def summarize_open(records: list[dict], wall_s: float, slo_ttft_ms: float | None = None,
+                   slo_tpot_ms: float | None = None) -> dict:
+    """The figures of one (rate, mode) over its rounds: ``records`` from every round, ``wall_s`` the sum
+    of the rounds' lengths (schedule start to the last answer). Throughputs count completed requests only;
+    goodput is completed requests meeting both SLOs per second (``goodput_frac``: their share of all
+    requests sent, failed ones included)."""
+    done = [r for r in records if r.get("ok")]
+    lats = [request_latencies(r) for r in done]
+    tokens = sum(int(r["generated_tokens"]) for r in done)
+    good = sum(meets_slo(x, slo_ttft_ms, slo_tpot_ms) for x in lats)
+    per_s = (lambda x: x / wall_s) if wall_s > 0 else (lambda x: 0.0)
+    return {
+        "requests": len(records), "completed": len(done), "failed": len(records) - len(done),
+        "generated_tokens": tokens, "wall_s": wall_s,
+        "output_tok_s": per_s(tokens), "req_s": per_s(len(done)),
+        "goodput": per_s(good), "goodput_frac": good / len(records) if records else None,
+        "ttft_ms": percentiles([x["ttft"] for x in lats]),
+        "tpot_ms": percentiles([x["tpot"] for x in lats]),
+        "itl_ms": percentiles([g for x in lats for g in x["itl"]]),
+        "e2e_ms": percentiles([x["e2e"] for x in lats]),
+        "queue_wait_ms": percentiles([x["queue"] for x in lats]),
+        "errors": sorted({str(r.get("error")) for r in records if not r.get("ok")})[:5],
+    }

@@ -13,7 +13,7 @@ DEFAULT_MODES = "off,fixed:1,fixed:2,fixed:3,fixed:4,fixed:5,fixed:6,fixed:7,ada
 DEFAULT_NUM_PROMPTS = 64
 DEFAULT_MAX_NEW_TOKENS = 64
 QUICK = {"concurrency": "1,4,16", "modes": "off,fixed:2,fixed:4,adaptive", "num_prompts": 12, "max_new_tokens": 32}
-RESULT_FILES = ("results.json", "results.md", "throughput.png")
+RESULT_FILES = ("results.json", "results.md", "throughput.png", "latency.png")
 WARMUP_TOKENS = 8
 WAVES = 3  # each run completes at least this many requests per user
 
@@ -81,3 +81,36 @@ def resolve_out_dir(out_dir, force: bool = False) -> tuple[Path, str | None]:
         sub, n = out / f"{stamp}-{n}", n + 1
     return sub, f"{out} already holds results ({', '.join(existing)}): writing into {sub} instead"
 
+
+
+# ------------------------------------------------------------------------------------------- open loop
+
+# --quick with --rates/--via-http: two rates (one below the measured capacity, one overloading it), short
+# requests, a few seconds of arrivals per (rate, mode): the whole run in under 2 minutes on the tiny pair.
+OPEN_QUICK = {"rates": "0.5x,2x", "duration": 6.0, "workload": "short", "modes": QUICK["modes"]}
+AUTO_RATES = "0.25x,0.5x,0.75x,1x,1.5x,2x"
+DEFAULT_WORKLOAD = "mixed"
+DEFAULT_SLO_TTFT_MS = 1000.0
+DEFAULT_SLO_TPOT_MS = 50.0
+
+
+def parse_rates(value, quick: bool = False) -> list[tuple[float, bool]]:
+    """'1,2.5' -> [(1.0, False), (2.5, False)] (requests/s); '0.5x,2x' -> [(0.5, True), (2.0, True)]
+    (multiples of the measured capacity); 'auto' -> the quick pair or AUTO_RATES. Sorted, duplicates
+    dropped; a bad value is a DsparkError."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        text = OPEN_QUICK["rates"] if quick else AUTO_RATES
+    out = []
+    for s in text.split(","):
+        s = s.strip()
+        rel = s.endswith("x")
+        try:
+            r = float(s[:-1] if rel else s)
+        except ValueError:
+            r = 0.0
+        if not (r > 0 and r < float("inf")):
+            raise DsparkError(f"--rates {value!r}: {s!r} is not a positive rate (requests/s, or a multiple of "
+                              f"the measured capacity such as 0.5x; e.g. 1,2,4 or 0.5x,2x or auto)")
+        out.append((r, rel))
+    return sorted(set(out), key=lambda x: (x[1], x[0]))

@@ -61,7 +61,7 @@ def _env(rt, manifest: dict, backend: str, artifact_dir, command: str, peers: bo
         affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         affinity = None
-    cost = rt.cost
+    cost = getattr(rt, "cost", None)  # rt None: the runtime is in a server process (--via-http)
     return {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": command,
@@ -73,7 +73,8 @@ def _env(rt, manifest: dict, backend: str, artifact_dir, command: str, peers: bo
         "python": platform.python_version(),
         "versions": {d: v for d in dists if (v := _version(d))},
         "backend": backend,
-        "ort_providers": [s.get_providers() for s in getattr(rt.backend, "sessions", {}).values()][:1] or None,
+        "ort_providers": [s.get_providers() for s in getattr(getattr(rt, "backend", None), "sessions", {}).values()][:1]
+        or None,
         "artifact": {
             "dir": str(Path(artifact_dir).resolve()),
             "model": {k: manifest.get("model", {}).get(k) for k in ("arch", "num_layers", "vocab_size", "dtype")},
