@@ -57,8 +57,11 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
     if quick and modes == OPEN_QUICK["modes"]:  # the preset drops fixed:K above the artifact's max draft
         modes = ",".join(m for m in modes.split(",") if not m.startswith("fixed:") or int(m[6:]) <= max_draft)
     mode_list = parse_modes(modes, max_draft)
-    if duration is None and num_prompts is None:
-        duration = OPEN_QUICK["duration"] if quick else 30.0
+    if quick:  # 6 s of arrivals, at most 100 requests, unless given
+        duration = OPEN_QUICK["duration"] if duration is None and num_prompts is None else duration
+        num_prompts = OPEN_QUICK["num_prompts"] if num_prompts is None else num_prompts
+    elif duration is None and num_prompts is None:
+        duration = 30.0
     out, note = resolve_out_dir(out_dir, force)
     if note:
         say(f"note: {note}")
@@ -112,7 +115,8 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
                 for m in order:
                     if progress:
                         say(f"rate {rate:.2f}/s ({label}) round {rnd + 1}/{rounds} {m}: {len(arr)} requests")
-                    raw[m].append(drive.run(items[rnd][:len(arr)], arr, m))
+                    recs, wall = drive.run(items[rnd][:len(arr)], arr, m)
+                    raw[m].append((recs, wall, _loadavg()))
             entries = [_entry(rate, label, m, runs, cap, slo_ttft, slo_tpot) for m, runs in raw.items()]
             result["open_loop"].extend(entries)
             result["goals"] = goals(result["open_loop"], temps)
@@ -125,6 +129,13 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
     plot_latency(result["open_loop"], out / "latency.png",
                  title=f"{Path(artifact_dir).name} | {settings['driver']} | {wl.name} | temperature {temperature}")
     return out
+
+
+def _loadavg() -> float | None:
+    """The machine's 1-minute load average (other processes' work shows here on a shared machine)."""
+    import os
+
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else None
 
 
 def _ms(x) -> str:
@@ -151,15 +162,16 @@ def _rates(rate_list, cap) -> list[tuple[float, str]]:
 
 def _entry(rate, label, mode, runs, cap, slo_ttft, slo_tpot) -> dict:
     """One (rate, mode) row of results.json's ``open_loop`` list, over its rounds."""
-    records = [r for recs, _ in runs for r in recs]
-    wall = sum(w for _, w in runs)
+    records = [r for recs, _, _ in runs for r in recs]
+    wall = sum(w for _, w, _ in runs)
     e = {"rate": rate, "mode": mode, "label": label, "load": rate / cap if cap else None,
          "overloaded": (rate > cap) if cap else None, "rounds": len(runs)}
     e.update(summarize_open(records, wall, slo_ttft, slo_tpot))
-    span = sum(max((r["arrival_s"] for r in recs), default=0.0) for recs, _ in runs)
-    e["offered_req_s"] = (sum(len(recs) for recs, _ in runs) / span) if span > 0 else None
+    span = sum(max((r["arrival_s"] for r in recs), default=0.0) for recs, _, _ in runs)
+    e["offered_req_s"] = (sum(len(recs) for recs, _, _ in runs) / span) if span > 0 else None
     e["round_output_tok_s"] = [sum(r["generated_tokens"] for r in recs if r["ok"]) / w if w > 0 else 0.0
-                               for recs, w in runs]
+                               for recs, w, _ in runs]
+    e["round_load_avg_1m"] = [x for _, _, x in runs]
     e["send_lag_ms_p99"] = float(np.percentile([(r["sent_s"] - r["arrival_s"]) * 1e3 for r in records
                                                 if r["sent_s"] is not None] or [0.0], 99))
     e["by_temperature"] = _groups(records, "temperature")

@@ -76,7 +76,9 @@ def render_open(result: dict) -> str:
     L += [f"{env.get('date')} | {env.get('cpu')} ({env.get('cpu_count')} CPUs, load avg at start "
           f"{_fmt((env.get('load_avg_start') or [None])[0], '.2f')}) | Python {env.get('python')}", ""]
     temps = ", ".join(f"{t['value']:g} ({t['weight']:.0%})" for t in s["temperature"])
-    length = f"{s['duration_s']:g} s of arrivals" if s.get("duration_s") else f"{s['num_prompts']} requests"
+    length = " (at most ".join(x for x in (f"{s['duration_s']:g} s of arrivals" if s.get("duration_s") else "",
+                                            f"{s['num_prompts']} requests" if s.get("num_prompts") else "") if x)
+    length += ")" if "(" in length else ""
     cap = result.get("capacity") or {}
     L += [f"Workload {s['workload']}; temperature {temps}; Poisson arrivals (seed {s['seed']}), {length} per "
           f"(rate, mode), {s['rounds']} round(s), modes interleaved; SLO: TTFT <= {s['slo_ttft_ms']:g} ms and "
