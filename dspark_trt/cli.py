@@ -213,15 +213,24 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
     """Benchmark every speculation mode: throughput vs concurrency (closed loop), or latency and goodput
     under Poisson arrivals (open loop: --rates, --via-http)."""
     command = "dspark-trt " + " ".join(sys.argv[1:])
+
+    def given(name):
+        return ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
+                                                      click.core.ParameterSource.ENVIRONMENT)
+
     if rates is not None or via_http:
         from dspark_trt.bench.open_loop import run_open_loop
         from dspark_trt.bench.options import DEFAULT_MODES, OPEN_QUICK
 
-        given = ctx.get_parameter_source("num_prompts") != click.core.ParameterSource.DEFAULT
+        for name in ("concurrency", "max_new_tokens", "peers"):
+            if given(name):
+                raise DsparkError(f"--{name.replace('_', '-')} belongs to the closed loop; the open loop (--rates, "
+                                  f"--via-http) takes arrival rates, and output lengths from --workload")
         path = run_open_loop(artifact_dir, backend=backend, rates=rates or "auto",
                              modes=OPEN_QUICK["modes"] if quick and modes == DEFAULT_MODES else modes,
                              workload=OPEN_QUICK["workload"] if quick and workload == "mixed" else workload,
-                             temperature=temperature, num_prompts=num_prompts if given else None, duration=duration,
+                             temperature=temperature, num_prompts=num_prompts if given("num_prompts") else None,
+                             duration=duration,
                              rounds=rounds, seed=seed, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
                              via_http=via_http, api_key=api_key, prompts_file=prompts_file, out_dir=out_dir,
                              quick=quick, force=force, echo=click.echo, command=command)
@@ -229,6 +238,9 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
         return
     from dspark_trt.bench.harness import run_bench
 
+    for name in ("duration", "workload", "slo_ttft_ms", "slo_tpot_ms", "api_key"):
+        if given(name):
+            raise DsparkError(f"--{name.replace('_', '-')} belongs to the open loop: add --rates (or --via-http)")
     try:
         temp = float(temperature)
     except ValueError:

@@ -51,6 +51,8 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
     temps = parse_temperature(temperature)
     slo_ttft = DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else float(slo_ttft_ms)
     slo_tpot = DEFAULT_SLO_TPOT_MS if slo_tpot_ms is None else float(slo_tpot_ms)
+    if not (quick and modes == OPEN_QUICK["modes"]):
+        parse_modes(modes)  # syntax before the artifact is read
     manifest = load_manifest(artifact_dir)
     lim = manifest["limits"]
     max_batch, max_draft, max_context = int(lim["max_batch"]), int(lim["max_draft"]), int(lim["max_context"])
