@@ -86,6 +86,24 @@ def test_goodput_counts_completed_requests_within_both_slos_per_second():
     assert not meets_slo({"ttft": None, "tpot": None}, None, None)
 
 
+def test_capacity_is_the_full_batch_token_rate_over_the_mean_answer_length():
+    from dspark_trt.bench.open_loop import capacity_from_burst
+
+    # max batch 2, a burst of 4: the batch is full until the 2nd completion (t=2); tokens every 0.5 s.
+    recs = [rec(0.0, [0.5, 1.0], 2, token_counts=[1, 1]), rec(0.0, [1.0, 2.0], 4, token_counts=[2, 2]),
+            rec(0.0, [2.5, 3.0], 2, token_counts=[1, 1]), rec(0.0, [2.5, 9.0], 8, token_counts=[4, 4])]
+    cap = capacity_from_burst(recs, wall=9.0, max_batch=2)
+    # window (1.0, 2.0]: 2 tokens of the 2nd request; 2 tok/s over a mean answer of 4 tokens
+    assert cap["window_s"] == pytest.approx(1.0) and cap["tok_s"] == pytest.approx(2.0)
+    assert cap["req_s"] == pytest.approx(0.5)
+    # Over HTTP (no per-delivery counts) a request's tokens are spread over its deliveries.
+    for r in recs:
+        r.pop("token_counts")
+    assert capacity_from_burst(recs, 9.0, 2)["tok_s"] == pytest.approx(2.0)
+    # Too small a burst for a full-batch window: completed / wall time.
+    assert capacity_from_burst(recs[:3], 9.0, 2)["req_s"] == pytest.approx(3 / 9.0)
+
+
 # ------------------------------------------------------------------------------------------- options
 
 def test_rates_temperature_and_workload_parsing():

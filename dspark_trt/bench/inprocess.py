@@ -14,7 +14,7 @@ import time
 def new_record(i: int, item, arrival_s: float) -> dict:
     return {"index": i, "kind": item.kind, "temperature": item.temperature, "prompt_tokens": len(item.ids),
             "max_tokens": item.max_tokens, "arrival_s": float(arrival_s), "sent_s": None, "admitted_s": None,
-            "token_times_s": [], "generated_tokens": 0, "ok": False, "error": None}
+            "token_times_s": [], "token_counts": [], "generated_tokens": 0, "ok": False, "error": None}
 
 
 def run_inprocess(rt, items, arrivals, mode: str, poll_s: float = 0.002) -> tuple[list[dict], float]:
@@ -37,6 +37,7 @@ def run_inprocess(rt, items, arrivals, mode: str, poll_s: float = 0.002) -> tupl
                 break
             now = time.perf_counter() - t0
             times.append(now)  # one delivery, one timestamp (see latency.request_latencies)
+            rec["token_counts"].append(len(ids))
             n += len(ids)
         rec["generated_tokens"] = n
         rec["ok"] = req.finish_reason not in ("error", "cancelled", None) and not req.error
