@@ -83,6 +83,17 @@ def test_goodput_counts_completed_requests_within_both_slos_per_second():
     assert s["ttft_ms"]["p50"] == pytest.approx(150.0)  # of 100, 900, 100, 200
     assert s["errors"] == ["boom"]
     assert summarize_open(records, 4.0)["goodput"] == pytest.approx(1.0)  # no limits: every completed request
+
+
+def test_output_rate_counts_tokens_delivered_while_requests_arrive():
+    from dspark_trt.bench.latency import window_tok_s
+
+    # Arrivals at 0 and 2 s: the window is (0, 2]; the long answer's tokens after 2 s do not count.
+    a = rec(0.0, [0.5, 1.5, 3.0], tokens=6, token_counts=[1, 2, 3])
+    b = rec(2.0, [2.0, 9.0], tokens=4)  # no per-delivery counts (HTTP): 2 tokens per delivery
+    assert window_tok_s([([a, b], 9.0)]) == pytest.approx((1 + 2 + 2) / 2.0)
+    assert window_tok_s([([a, b], 9.0), ([rec(0.0, [1.0], 1), rec(4.0, [5.0], 1)], 5.0)]) == \
+        pytest.approx((5 + 1) / (2.0 + 4.0))  # rounds pool tokens and spans
     assert not meets_slo({"ttft": None, "tpot": None}, None, None)
 
 

@@ -10,6 +10,7 @@ Method (docs/open-loop.md)
   a run of ``num_prompts`` arrivals or of ``duration`` seconds) and the same requests (workload.py), modes
   in turn, the order rotated each round. A run lasts until its last request is answered.
 - Latencies count from the scheduled arrival (a client that falls behind does not hide the delay).
+- Output tok/s is counted while requests arrive (latency.window_tok_s); the whole-run figure is kept too.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_trt.bench.arrivals import poisson_arrivals
-from dspark_trt.bench.latency import request_latencies, summarize_open
+from dspark_trt.bench.latency import request_latencies, summarize_open, tokens_between, window_tok_s
 from dspark_trt.bench.options import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, OPEN_QUICK, parse_modes, parse_rates
 from dspark_trt.bench.workload import build_requests, parse_temperature, parse_workload
 from dspark_trt.errors import DsparkError
@@ -145,10 +146,7 @@ def capacity_from_burst(records: list[dict], wall: float, max_batch: int) -> dic
     k = len(records) - max_batch  # completions after which nothing waits any more
     if k >= 2 and k <= len(ends):
         t_a, t_b = ends[0], ends[k - 1]
-        tokens = 0.0
-        for r in done:  # over HTTP a delivery's token count is unknown: spread a request's tokens evenly
-            counts = r.get("token_counts") or [r["generated_tokens"] / len(r["token_times_s"])] * len(r["token_times_s"])
-            tokens += sum(c for t, c in zip(r["token_times_s"], counts) if t_a < t <= t_b)
+        tokens = sum(tokens_between(r, t_a, t_b) for r in done)
         if t_b > t_a:
             out.update(tok_s=tokens / (t_b - t_a), req_s=tokens / (t_b - t_a) / mean_out, window_s=t_b - t_a,
                        method="a burst of 2 x max batch requests in mode off: output tok/s while the batch is full "
@@ -195,10 +193,10 @@ def _entry(rate, label, mode, runs, cap, slo_ttft, slo_tpot) -> dict:
     e = {"rate": rate, "mode": mode, "label": label, "load": rate / cap if cap else None,
          "overloaded": (rate > cap) if cap else None, "rounds": len(runs)}
     e.update(summarize_open(records, wall, slo_ttft, slo_tpot))
+    e["output_tok_s"] = window_tok_s([(recs, w) for recs, w, _ in runs])
     span = sum(max((r["arrival_s"] for r in recs), default=0.0) for recs, _, _ in runs)
     e["offered_req_s"] = (sum(len(recs) for recs, _, _ in runs) / span) if span > 0 else None
-    e["round_output_tok_s"] = [sum(r["generated_tokens"] for r in recs if r["ok"]) / w if w > 0 else 0.0
-                               for recs, w, _ in runs]
+    e["round_output_tok_s"] = [window_tok_s([(recs, w)]) for recs, w, _ in runs]
     e["round_load_avg_1m"] = [x for _, _, x in runs]
     e["send_lag_ms_p99"] = float(np.percentile([(r["sent_s"] - r["arrival_s"]) * 1e3 for r in records
                                                 if r["sent_s"] is not None] or [0.0], 99))

@@ -86,10 +86,11 @@ def render_open(result: dict) -> str:
           f"{_fmt(cap.get('tok_s'))} tok/s.", ""]
     L += [f"- {n}" for n in result.get("notes", [])] + ([""] if result.get("notes") else [])
     L += ["## Results (latencies in ms, p50 / p90 / p99)", "",
-          "| rate req/s | load | mode | output tok/s | req/s | TTFT | TPOT | ITL | queue wait | completed | failed "
-          "| goodput req/s | in SLO |", "|---:|---:|---|---:|---:|---|---|---|---|---:|---:|---:|---:|"]
+          "| rate req/s | load | mode | output tok/s | whole run | req/s | TTFT | TPOT | ITL | queue wait | completed "
+          "| failed | goodput req/s | in SLO |", "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|"]
     for e in result["open_loop"]:
         L.append(f"| {e['rate']:.2f} | {_fmt(e.get('load'), '.2f')} | {e['mode']} | {_fmt(e['output_tok_s'])} "
+                 f"| {_fmt(e.get('output_tok_s_whole_run'))} "
                  f"| {_fmt(e['req_s'], '.2f')} | {_p(e['ttft_ms'], '.0f')} | {_p(e['tpot_ms'])} | {_p(e['itl_ms'])} "
                  f"| {_p(e['queue_wait_ms'], '.0f')} | {e['completed']} | {e['failed']} | {_fmt(e['goodput'], '.2f')} "
                  f"| {_fmt(e.get('goodput_frac'), '.0%')} |")
@@ -115,9 +116,12 @@ DEFINITIONS = """\
 - Latencies count from each request's scheduled arrival. **TTFT**: to its first token; **TPOT**: (last
   token - first token) / (tokens - 1); **ITL**: gaps between successive deliveries of tokens (a speculative
   step delivers several tokens at once); **queue wait**: to admission into a batch slot (in process only).
-- **output tok/s**, **req/s**: tokens and requests of completed requests / the run's length (schedule start
-  to the last answer), summed over rounds. **goodput**: completed requests meeting both SLOs per second;
-  **in SLO**: their share of all requests sent. **load**: rate / the measured capacity.
+- **output tok/s**: tokens delivered while requests were arriving (schedule start to the last arrival) /
+  that span, over rounds: the drain after the last arrival, whose length turns on the last few answers, is
+  left out; at an overloading rate it is what the mode sustains with a queue. **whole run**: all tokens /
+  (schedule start to the last answer). **req/s**: completed requests / whole-run time. **goodput**:
+  completed requests meeting both SLOs per second of whole-run time; **in SLO**: their share of all
+  requests sent. **load**: rate / the measured capacity (mode off, see results.json `capacity`).
 """
 
 
