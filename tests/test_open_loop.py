@@ -94,6 +94,8 @@ def test_output_rate_counts_tokens_delivered_while_requests_arrive():
     assert window_tok_s([([a, b], 9.0)]) == pytest.approx((1 + 2 + 2) / 2.0)
     assert window_tok_s([([a, b], 9.0), ([rec(0.0, [1.0], 1), rec(4.0, [5.0], 1)], 5.0)]) == \
         pytest.approx((5 + 1) / (2.0 + 4.0))  # rounds pool tokens and spans
+    # An answer with a token but no text delivered (over HTTP: its token decodes to nothing) adds nothing.
+    assert window_tok_s([([a, b, rec(1.0, [], tokens=1)], 9.0)]) == pytest.approx(2.5)
     assert not meets_slo({"ttft": None, "tpot": None}, None, None)
 
 

@@ -141,6 +141,8 @@ def tokens_between(rec: dict, t0: float, t1: float) -> float:
     """Tokens of one request delivered in (t0, t1]. Without per-delivery counts (over HTTP a chunk's token
     count is unknown) the request's tokens are spread evenly over its deliveries."""
     times = rec.get("token_times_s") or []
+    if not times:  # e.g. over HTTP an answer whose only token decodes to no text
+        return 0.0
     counts = rec.get("token_counts") or [int(rec.get("generated_tokens") or 0) / len(times)] * len(times)
     return float(sum(c for t, c in zip(times, counts) if t0 < t <= t1))
 
