@@ -182,32 +182,87 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
 @cli.command()
 @click.argument("artifact_dir", type=click.Path())
 @click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]))
-@click.option("--concurrency", default="1,2,4,8,16,32,64", help="Comma-separated concurrency levels.")
+@click.option("--concurrency", default="1,2,4,8,16,32,64", help="Comma-separated concurrency levels (closed loop).")
+@click.option("--rates", default=None,
+              help="Open loop: Poisson arrival rates in requests/s (1,2,4), multiples of the measured capacity "
+                   "(0.5x,2x), or auto. Replaces the closed loop (--concurrency).")
 @click.option("--modes", default="off,fixed:1,fixed:2,fixed:3,fixed:4,fixed:5,fixed:6,fixed:7,adaptive")
-@click.option("--num-prompts", default=64, type=click.IntRange(1))
-@click.option("--max-new-tokens", default=64, type=click.IntRange(1))
-@click.option("--temperature", default=0.0, type=click.FloatRange(0.0))
+@click.option("--num-prompts", default=64, type=click.IntRange(1),
+              help="Closed loop: prompts. Open loop: requests per (rate, mode) run, instead of --duration.")
+@click.option("--duration", default=None, type=click.FloatRange(0.0, min_open=True),
+              help="Open loop: seconds of arrivals per (rate, mode) run [default: 30, --quick 6].")
+@click.option("--max-new-tokens", default=64, type=click.IntRange(1), help="Closed loop: tokens per request.")
+@click.option("--workload", default="mixed",
+              help="Open loop: mixed | short, optionally :prompt=LO-HI,out=LO-HI (docs/open-loop.md).")
+@click.option("--temperature", default="0",
+              help="0 = greedy. Open loop: also a mix T:WEIGHT,... such as 0:0.5,1.0:0.5 (drawn per request).")
+@click.option("--slo-ttft-ms", default=None, type=click.FloatRange(0.0, min_open=True),
+              help="Open loop goodput: time-to-first-token limit [default: 1000].")
+@click.option("--slo-tpot-ms", default=None, type=click.FloatRange(0.0, min_open=True),
+              help="Open loop goodput: time-per-output-token limit [default: 50].")
+@click.option("--via-http", is_flag=True,
+              help="Open loop through a `dspark-trt serve` subprocess, streaming over HTTP (implies --rates auto).")
+@click.option("--api-key", default=None, envvar="DSPARK_API_KEY", show_envvar=True,
+              help="With --via-http: passed to the server and sent as a bearer token.")
 @click.option("--seed", default=0, type=int)
 @click.option("--prompts-file", default=None, type=click.Path())
 @click.option("--out", "out_dir", default="bench-results", type=click.Path())
 @click.option("--quick", is_flag=True,
               help="Small preset for smoke tests (under 3 minutes); replaces --concurrency/--modes/--num-prompts/"
-                   "--max-new-tokens left at their defaults.")
+                   "--max-new-tokens left at their defaults. Open loop: two rates (0.5x, 2x capacity), 6 s each, "
+                   "the short workload, under 2 minutes.")
 @click.option("--peers", is_flag=True, help="Also run HF transformers assisted generation at batch 1.")
 @click.option("--rounds", default=1, type=click.IntRange(1),
               help="Repeat every (mode, concurrency) run, modes rotated. From 2 rounds adaptive / best gets a "
                    "confidence interval (94% at 5); many rounds of two modes (--modes fixed:2,adaptive) "
                    "resolve a close pair.")
 @click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
-def bench(artifact_dir, backend, concurrency, modes, num_prompts, max_new_tokens, temperature, seed, prompts_file,
-          out_dir, quick, peers, rounds, force):
-    """Benchmark throughput vs concurrency for every speculation mode."""
+@click.pass_context
+def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, duration, max_new_tokens, workload,
+          temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers, rounds,
+          force):
+    """Benchmark every speculation mode: throughput vs concurrency (closed loop), or latency and goodput
+    under Poisson arrivals (open loop: --rates, --via-http)."""
+    command = "dspark-trt " + " ".join(sys.argv[1:])
+
+    def given(name):
+        return ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
+                                                      click.core.ParameterSource.ENVIRONMENT)
+
+    if rates is not None or via_http:
+        from dspark_trt.bench.open_loop import run_open_loop
+        from dspark_trt.bench.options import DEFAULT_MODES, OPEN_QUICK
+
+        for name in ("concurrency", "max_new_tokens", "peers"):
+            if given(name):
+                raise DsparkError(f"--{name.replace('_', '-')} belongs to the closed loop; the open loop (--rates, "
+                                  f"--via-http) takes arrival rates, and output lengths from --workload")
+        path = run_open_loop(artifact_dir, backend=backend, rates=rates or "auto",
+                             modes=OPEN_QUICK["modes"] if quick and modes == DEFAULT_MODES else modes,
+                             workload=OPEN_QUICK["workload"] if quick and workload == "mixed" else workload,
+                             temperature=temperature, num_prompts=num_prompts if given("num_prompts") else None,
+                             duration=duration,
+                             rounds=rounds, seed=seed, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
+                             via_http=via_http, api_key=api_key, prompts_file=prompts_file, out_dir=out_dir,
+                             quick=quick, force=force, echo=click.echo, command=command)
+        click.echo(f"wrote {path}")
+        return
     from dspark_trt.bench.harness import run_bench
 
+    for name in ("duration", "workload", "slo_ttft_ms", "slo_tpot_ms", "api_key"):
+        if given(name):
+            raise DsparkError(f"--{name.replace('_', '-')} belongs to the open loop: add --rates (or --via-http)")
+    try:
+        temp = float(temperature)
+    except ValueError:
+        raise DsparkError(f"--temperature {temperature!r}: the closed loop takes one value (a mix such as "
+                          f"0:0.5,1.0:0.5 needs the open loop: add --rates)") from None
+    if not temp >= 0:
+        raise DsparkError(f"--temperature must be >= 0, got {temperature}")
     path = run_bench(artifact_dir, backend=backend, concurrency=concurrency, modes=modes, num_prompts=num_prompts,
-                     max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, prompts_file=prompts_file,
+                     max_new_tokens=max_new_tokens, temperature=temp, seed=seed, prompts_file=prompts_file,
                      out_dir=out_dir, quick=quick, peers=peers, echo=click.echo, rounds=rounds, force=force,
-                     command="dspark-trt " + " ".join(sys.argv[1:]))
+                     command=command)
     click.echo(f"wrote {path}")
 
 

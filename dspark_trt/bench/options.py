@@ -1,0 +1,117 @@
+"""`dspark-trt bench` options: defaults, the --quick preset, parsing of levels, modes and the output folder."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from pathlib import Path
+
+from dspark_trt.errors import DsparkError
+
+# The CLI's defaults (dspark_trt/cli.py `bench`): --quick replaces an option only while it has this value.
+DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"
+DEFAULT_MODES = "off,fixed:1,fixed:2,fixed:3,fixed:4,fixed:5,fixed:6,fixed:7,adaptive"
+DEFAULT_NUM_PROMPTS = 64
+DEFAULT_MAX_NEW_TOKENS = 64
+QUICK = {"concurrency": "1,4,16", "modes": "off,fixed:2,fixed:4,adaptive", "num_prompts": 12, "max_new_tokens": 32}
+RESULT_FILES = ("results.json", "results.md", "throughput.png", "latency.png")
+WARMUP_TOKENS = 8
+WAVES = 3  # each run completes at least this many requests per user
+
+
+def apply_quick(concurrency, modes, num_prompts, max_new_tokens) -> tuple[str, str, int, int]:
+    """The --quick preset: each of the four options still at its CLI default takes the QUICK value."""
+    return (QUICK["concurrency"] if str(concurrency) == DEFAULT_CONCURRENCY else str(concurrency),
+            QUICK["modes"] if str(modes) == DEFAULT_MODES else str(modes),
+            QUICK["num_prompts"] if int(num_prompts) == DEFAULT_NUM_PROMPTS else int(num_prompts),
+            QUICK["max_new_tokens"] if int(max_new_tokens) == DEFAULT_MAX_NEW_TOKENS else int(max_new_tokens))
+
+
+def requests_per_run(num_prompts: int, concurrency: int) -> int:
+    """Requests completed in one (mode, concurrency) run: every prompt once, and at least WAVES per user."""
+    return max(int(num_prompts), WAVES * int(concurrency))
+
+
+def parse_concurrency(value) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, duplicates dropped); a bad value is a DsparkError."""
+    items = [s.strip() for s in str(value).split(",")] if not isinstance(value, (list, tuple)) else list(value)
+    out = []
+    for s in items:
+        try:
+            c = int(s)
+        except (TypeError, ValueError):
+            c = 0
+        if c < 1 or str(s).strip() != str(c):
+            raise DsparkError(f"--concurrency {value!r}: {s!r} is not a positive integer "
+                              f"(give comma-separated levels, e.g. 1,4,16)")
+        out.append(c)
+    return sorted(set(out))
+
+
+def parse_modes(value, max_draft: int | None = None) -> list[str]:
+    """'off,fixed:2,adaptive' -> canonical mode names in the given order, duplicates dropped (fixed:0 is off).
+    With ``max_draft``, fixed:K above it is a DsparkError naming the re-export."""
+    from dspark_trt.runtime.config import parse_spec
+
+    items = [s.strip() for s in str(value).split(",")] if not isinstance(value, (list, tuple)) else list(value)
+    out: list[str] = []
+    for s in items:
+        try:
+            mode = str(parse_spec(s, max_draft))
+        except DsparkError as e:
+            raise DsparkError(f"--modes {value!r}: {e}") from None
+        if mode not in out:
+            out.append(mode)
+    if not out:
+        raise DsparkError(f"--modes {value!r} names no mode (use off, fixed:K, adaptive)")
+    return out
+
+
+def resolve_out_dir(out_dir, force: bool = False) -> tuple[Path, str | None]:
+    """Where to write: ``out_dir`` unless it already holds results (then a new timestamped subdirectory,
+    unless ``force``). Returns (directory, note for the console or None). Creates nothing."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DsparkError(f"--out {out} is a file, not a directory; give a directory")
+    existing = [f for f in RESULT_FILES if (out / f).exists()]
+    if not existing or force:
+        return out, (f"overwriting results in {out} (force)" if existing else None)
+    stamp = _dt.datetime.now().strftime("run-%Y%m%d-%H%M%S")
+    sub, n = out / stamp, 2
+    while sub.exists():
+        sub, n = out / f"{stamp}-{n}", n + 1
+    return sub, f"{out} already holds results ({', '.join(existing)}): writing into {sub} instead"
+
+
+
+# ------------------------------------------------------------------------------------------- open loop
+
+# --quick with --rates/--via-http: two rates (one below the measured capacity, one overloading it), short
+# requests, 6 s of arrivals per (rate, mode) but at most 100 requests (an overloaded run lasts until its
+# backlog drains, so a cap on requests bounds it): the whole run in under 2 minutes on the tiny pair.
+OPEN_QUICK = {"rates": "0.5x,2x", "duration": 6.0, "num_prompts": 100, "workload": "short", "modes": QUICK["modes"]}
+AUTO_RATES = "0.25x,0.5x,0.75x,1x,1.5x,2x"
+DEFAULT_WORKLOAD = "mixed"
+DEFAULT_SLO_TTFT_MS = 1000.0
+DEFAULT_SLO_TPOT_MS = 50.0
+
+
+def parse_rates(value, quick: bool = False) -> list[tuple[float, bool]]:
+    """'1,2.5' -> [(1.0, False), (2.5, False)] (requests/s); '0.5x,2x' -> [(0.5, True), (2.0, True)]
+    (multiples of the measured capacity); 'auto' -> the quick pair or AUTO_RATES. Sorted, duplicates
+    dropped; a bad value is a DsparkError."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        text = OPEN_QUICK["rates"] if quick else AUTO_RATES
+    out = []
+    for s in text.split(","):
+        s = s.strip()
+        rel = s.endswith("x")
+        try:
+            r = float(s[:-1] if rel else s)
+        except ValueError:
+            r = 0.0
+        if not (r > 0 and r < float("inf")):
+            raise DsparkError(f"--rates {value!r}: {s!r} is not a positive rate (requests/s, or a multiple of "
+                              f"the measured capacity such as 0.5x; e.g. 1,2,4 or 0.5x,2x or auto)")
+        out.append((r, rel))
+    return sorted(set(out), key=lambda x: (x[1], x[0]))
