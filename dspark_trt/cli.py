@@ -32,13 +32,16 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--max-batch", default=64, type=click.IntRange(1, 4096), help="Maximum concurrent requests.")
 @click.option("--max-context", default=1024, type=click.IntRange(16, 1 << 20), help="Maximum context length.")
 @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16"]), help="Precision of the exported graphs.")
+@click.option("--external-data", default="auto", type=click.Choice(["auto", "always", "never"]),
+              help="Weights in <graph>.onnx.data beside each graph: auto = when a graph's weights exceed 1 GiB.")
 @click.option("--force", is_flag=True, help="Overwrite an existing artifact directory.")
-def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, force):
+def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, external_data, force):
     """Export target and draft to ONNX with dspark custom ops, plus a manifest."""
     from dspark_trt.exporter.export import export_artifacts
 
     out = export_artifacts(target_dir, draft_dir, out_dir, head_dir=head_dir, max_draft=max_draft,
-                           max_batch=max_batch, max_context=max_context, dtype=dtype, overwrite=force)
+                           max_batch=max_batch, max_context=max_context, dtype=dtype, overwrite=force,
+                           external_data=external_data)
     click.echo(f"wrote {out}")
 
 

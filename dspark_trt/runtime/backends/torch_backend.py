@@ -31,10 +31,10 @@ class TorchBackend:
     def _run(self, module, outputs: list[str], n_layers: int, input_names: list[str], feeds, past):
         torch = self.torch
         args = [torch.from_numpy(np.ascontiguousarray(feeds[name])) for name in input_names]
-        args += [torch.from_numpy(p) for p in past]
+        args += [_to_torch(torch, p) for p in past]
         with torch.no_grad():
             outs = module(*args)
-        outs = [o.numpy() for o in outs]
+        outs = [_to_numpy(torch, o) for o in outs]
         named = dict(zip(outputs, outs[:len(outputs)]))
         present = outs[len(outputs):len(outputs) + 2 * n_layers]
         return named, present
@@ -48,3 +48,18 @@ class TorchBackend:
         from dspark_trt.exporter.graphs import TARGET_INPUTS, TARGET_OUTPUTS
 
         return self._run(self.target, TARGET_OUTPUTS, self.num_layers["target"], TARGET_INPUTS, feeds, past)
+
+
+def _to_torch(torch, a: np.ndarray):
+    """numpy -> torch without a copy; ml_dtypes.bfloat16 (the host KV cache of a bf16 artifact) by bits."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def _to_numpy(torch, t):
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return t.view(torch.uint16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
