@@ -209,12 +209,15 @@ def bench(artifact_dir, backend, concurrency, modes, num_prompts, max_new_tokens
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535))
 @click.option("--max-batch", default=None, type=click.IntRange(1), help="Concurrent requests (default: the manifest's).")
+@click.option("--max-context", default=None, type=click.IntRange(16),
+              help="Context length (default: the manifest's; may only lower it, and shrinks the KV cache).")
 @click.option("--max-queue", default=256, type=click.IntRange(1), help="Queued requests before answering 429.")
-def serve(artifact_dir, backend, host, port, max_batch, max_queue):
+def serve(artifact_dir, backend, host, port, max_batch, max_context, max_queue):
     """Serve an OpenAI-compatible completions API."""
     from dspark_trt.serve.server import serve as run
 
-    run(artifact_dir, backend=backend, host=host, port=port, max_batch=max_batch, max_queue=max_queue)
+    run(artifact_dir, backend=backend, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
+        max_context=max_context)
 
 
 def main(argv=None) -> None:

@@ -33,11 +33,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--shard-mb", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-extra", default="{}", help="JSON merged into config.json (e.g. rope_scaling)")
     ap.add_argument("--tokenizer-from", type=Path, required=True)
     a = ap.parse_args()
     tok = a.tokenizer_from / "tokenizer.json"
     vocab = a.vocab or max(json.loads(tok.read_text())["model"]["vocab"].values()) + 1
     cfg = llama_config(vocab, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.model_type, a.tie)
+    cfg.update(json.loads(a.config_extra))
     write_checkpoint(a.out, cfg, a.dtype, a.shard_mb << 20, a.seed)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (a.tokenizer_from / name).is_file():

@@ -440,7 +440,7 @@ class ServerThread:
 
 def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int = 8000,
           max_batch: int | None = None, max_queue: int | None = 256, model_name: str | None = None,
-          log_level: str = "info") -> None:
+          log_level: str = "info", max_context: int | None = None) -> None:
     """Load the artifact and serve it until interrupted (Ctrl-C); what `dspark-trt serve` runs."""
     _require_web()
     import uvicorn
@@ -449,7 +449,8 @@ def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int
 
     sock = _bind(host, port)  # bind first: a busy port fails fast, before the engines load
     try:
-        rt = Runtime.load(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue)
+        rt = Runtime.load(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue,
+                          max_context=max_context)
         try:
             app = create_app(rt, model_name=model_name or Path(artifact_dir).resolve().name)
             config = uvicorn.Config(app, host=host, port=sock.getsockname()[1], log_level=log_level,
