@@ -281,3 +281,24 @@ def test_runtime_load_refuses_an_artifact_that_does_not_fit(tiny_artifact, monke
     monkeypatch.setenv("DSPARK_MEMORY_LIMIT_GB", "0.001")
     with pytest.raises(DsparkError, match="the artifact needs .* GiB .* but 0.00 GiB is available"):
         Runtime.load(tiny_artifact, profile="none")
+
+
+# ------------------------------------------------------------------------------------- start-up profile
+
+def test_a_quick_profile_is_replaced_by_its_refined_tables_at_close(tmp_path):
+    from types import SimpleNamespace
+
+    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.profiling import persist_refined, profile_path
+
+    verify, draft = np.arange(33, dtype=float) * 10.0, np.arange(9, dtype=float)
+    rt = SimpleNamespace(artifact_dir=tmp_path, backend=SimpleNamespace(name="ort"),
+                         cost=CostTable(verify, draft, {"quick": True}))
+    for _ in range(40):  # real calls take twice the quick profile's estimate
+        rt.cost.observe_verify(8, 160.0)
+        rt.cost.observe_draft(4, 8.0)
+    saved = CostTable.load(persist_refined(rt))
+    assert saved.meta["quick"] and saved.meta["refined_observations"] >= 16
+    assert saved.verify_ms(8, corrected=False) > 1.5 * 80.0
+    full = SimpleNamespace(artifact_dir=tmp_path / "x", backend=rt.backend, cost=CostTable(verify, draft, {}))
+    assert persist_refined(full) is None and not profile_path(full.artifact_dir, "ort").exists()

@@ -172,6 +172,28 @@ def quick_or_full_profile(rt, repeats: int = 3, progress: bool = True, budget_s:
     return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=rt.slots_total)
 
 
+REFINE_MIN_OBSERVATIONS = 16
+
+
+def persist_refined(rt) -> Path | None:
+    """At close: a quick start-up profile is replaced by its drift-corrected tables (what the runtime
+    learned from real calls), so the next start begins from them. Full profiles are left alone."""
+    from dspark_trt.runtime.cost_model import CostTable
+
+    cost = getattr(rt, "cost", None)
+    if cost is None or not cost.meta.get("quick"):
+        return None
+    seen = sum(d["observations"] for d in cost.drift().values())
+    if seen < REFINE_MIN_OBSERVATIONS:
+        return None
+    tables = [np.maximum.accumulate(np.asarray(t, dtype=np.float64)) for t in (cost.verify_table(), cost.draft_table())]
+    meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen))
+    try:
+        return CostTable(*tables, meta, points=cost.points).save(profile_path(rt.artifact_dir, rt.backend.name))
+    except OSError:
+        return None  # a read-only artifact: refine again next time
+
+
 def _probe(run, make_feeds, cache, rt, sizes: list[int]) -> list[float]:
     """One warm-up and one timed call per size (engine call plus the KV write, as `measure` times)."""
     out = []

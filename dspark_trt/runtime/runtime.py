@@ -340,6 +340,10 @@ class Runtime:
         if self._worker is not None:
             self._worker.join(timeout=10)
         self._fail_all("runtime closed")
+        if self.artifact_dir.is_dir() and (self.artifact_dir / "manifest.json").is_file():
+            from dspark_trt.runtime.profiling import persist_refined
+
+            persist_refined(self)
 
     def __enter__(self):
         return self
