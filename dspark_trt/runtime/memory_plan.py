@@ -129,7 +129,7 @@ def plan_memory(manifest: dict, artifact_dir=None, max_batch: int | None = None,
 
 
 def plan_for(manifest: dict, artifact_dir, backend, max_batch, max_context, kv_dtype) -> MemoryPlan:
-    """The runtime's entry point: plan against host memory (or the backend's own `memory_available()`,
+    """The runtime's entry point (called once the backend holds the weights): plan against host memory (or the backend's own `memory_available()`,
     e.g. a GPU's; a backend without one that keeps the KV cache on a device is not checked here), and
     print the note when max_batch was lowered."""
     import sys
@@ -142,6 +142,8 @@ def plan_for(manifest: dict, artifact_dir, backend, max_batch, max_context, kv_d
         avail = None
     else:
         avail = available_bytes()
+        if avail is not None:  # the backend has loaded the weights already: they are not "available" any more
+            avail += weight_bytes(artifact_dir, manifest)
     plan = plan_memory(manifest, artifact_dir, max_batch, max_context, np.dtype(kv_dtype).itemsize, avail)
     if plan.note:
         print(plan.note, file=sys.stderr)
