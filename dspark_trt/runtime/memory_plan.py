@@ -80,7 +80,7 @@ def available_bytes() -> int | None:
                 avail = room if avail is None else min(avail, room)
         except (OSError, ValueError):
             pass
-    override = os.environ.get("DSPARK_MEMORY_LIMIT_GB")  # for tests and for sharing a machine
+    override = os.environ.get("DSPARK_MEMORY_LIMIT_GB")  # the whole budget, weights included (shared machines)
     if override:
         avail = int(float(override) * GIB)
     return avail
@@ -142,7 +142,8 @@ def plan_for(manifest: dict, artifact_dir, backend, max_batch, max_context, kv_d
         avail = None
     else:
         avail = available_bytes()
-        if avail is not None:  # the backend has loaded the weights already: they are not "available" any more
+        if avail is not None and not os.environ.get("DSPARK_MEMORY_LIMIT_GB"):
+            # the backend holds the weights already, so MemAvailable no longer counts them
             avail += weight_bytes(artifact_dir, manifest)
     plan = plan_memory(manifest, artifact_dir, max_batch, max_context, np.dtype(kv_dtype).itemsize, avail)
     if plan.note:
