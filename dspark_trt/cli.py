@@ -32,17 +32,19 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--max-batch", default=64, type=click.IntRange(1, 4096), help="Maximum concurrent requests.")
 @click.option("--max-context", default=1024, type=click.IntRange(16, 1 << 20), help="Maximum context length.")
 @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16"]), help="Precision of the exported graphs.")
+@click.option("--external-data", default="auto", type=click.Choice(["auto", "always", "never"]),
+              help="Weights in <graph>.onnx.data beside each graph: auto = when a graph's weights exceed 1 GiB.")
 @click.option("--force", is_flag=True, help="Overwrite an existing artifact directory.")
 @click.option("--allow-large-draft", is_flag=True,
               help="Export even when the draft has more parameters, layers or hidden width than the target.")
-def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, force,
+def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, external_data, force,
            allow_large_draft):
     """Export target and draft to ONNX with dspark custom ops, plus a manifest."""
     from dspark_trt.exporter.export import export_artifacts
 
     out = export_artifacts(target_dir, draft_dir, out_dir, head_dir=head_dir, max_draft=max_draft,
                            max_batch=max_batch, max_context=max_context, dtype=dtype, overwrite=force,
-                           allow_large_draft=allow_large_draft)
+                           allow_large_draft=allow_large_draft, external_data=external_data)
     click.echo(f"wrote {out}")
 
 
@@ -272,6 +274,8 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535))
 @click.option("--max-batch", default=None, type=click.IntRange(1), help="Concurrent requests (default: the manifest's).")
+@click.option("--max-context", default=None, type=click.IntRange(16),
+              help="Context length (default: the manifest's; may only lower it, and shrinks the KV cache).")
 @click.option("--max-queue", default=256, type=click.IntRange(1), help="Queued requests before answering 429.")
 @click.option("--api-key", default=None, envvar="DSPARK_API_KEY", show_envvar=True,
               help="Require `Authorization: Bearer KEY` on every route but /health (401 otherwise).")
@@ -285,7 +289,7 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
               help="Seconds an idle keep-alive connection is kept open.")
 @click.option("--shutdown-grace", default=5.0, type=click.FloatRange(0), show_default=True,
               help="On SIGTERM/Ctrl-C, seconds live requests get to finish before they end with an error event.")
-def serve(artifact_dir, backend, host, port, max_batch, max_queue, api_key, max_body_mb, header_timeout,
+def serve(artifact_dir, backend, host, port, max_batch, max_context, max_queue, api_key, max_body_mb, header_timeout,
           body_timeout, keep_alive, shutdown_grace):
     """Serve an OpenAI-compatible API: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from dspark_trt.serve.limits import ServeLimits
@@ -295,7 +299,7 @@ def serve(artifact_dir, backend, host, port, max_batch, max_queue, api_key, max_
                          body_timeout_s=body_timeout, keep_alive_s=keep_alive, shutdown_grace_s=shutdown_grace,
                          api_key=api_key or None)
     run(artifact_dir, backend=backend, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
-        limits=limits)
+        limits=limits, max_context=max_context)
 
 
 def main(argv=None) -> None:

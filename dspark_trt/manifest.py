@@ -532,6 +532,9 @@ class Manifest:
             eos = tok.get("eos_token_id")
             if eos is not None and not _is_int(eos):
                 add("tokenizer.eos_token_id: must be an integer or null")
+            eos_ids = tok.get("eos_token_ids")
+            if eos_ids is not None and not (isinstance(eos_ids, list) and all(_is_int(i) for i in eos_ids)):
+                add("tokenizer.eos_token_ids: must be a list of integers")
 
         engines = d.get("engines")
         if engines is not None:

@@ -49,8 +49,11 @@ def make_tokenizer(path: Path, vocab: int = TINY_VOCAB) -> None:
     tok.save(str(path))
 
 
-def make_pair(root: Path, seed: int = 0, noise: float = 0.02, arch: str = "llama") -> tuple[Path, Path]:
-    """A random target and a draft that is a noisy copy of it (so drafts are often accepted)."""
+def make_pair(root: Path, seed: int = 0, noise: float = 0.02, arch: str = "llama", vocab: int | None = None,
+              dtype: str = "fp32") -> tuple[Path, Path]:
+    """A random target and a draft that is a noisy copy of it (so drafts are often accepted).
+    vocab: the models' vocabulary (default: the tokenizer's; larger = padded, as real checkpoints are);
+    dtype: the weights' dtype on disk."""
     import torch
 
     from dspark_trt.models.checkpoint import save_decoder
@@ -59,8 +62,7 @@ def make_pair(root: Path, seed: int = 0, noise: float = 0.02, arch: str = "llama
 
     root.mkdir(parents=True, exist_ok=True)
     make_tokenizer(root / "tokenizer.json")
-    vocab = json.loads((root / "tokenizer.json").read_text())["model"]["vocab"]
-    v = max(vocab.values()) + 1
+    v = vocab or max(json.loads((root / "tokenizer.json").read_text())["model"]["vocab"].values()) + 1
     cfg = ModelConfig(arch, v, 64, 128, 2, 4, 2, 16, tie_word_embeddings=True, max_position_embeddings=512,
                       qk_norm=arch == "qwen3")
     target = Decoder(cfg).init_weights(std=0.08, seed=seed).eval()
@@ -73,7 +75,7 @@ def make_pair(root: Path, seed: int = 0, noise: float = 0.02, arch: str = "llama
     out = []
     for name, model in (("target", target), ("draft", draft)):
         d = root / name
-        save_decoder(model, d, dtype="fp32")
+        save_decoder(model, d, dtype=dtype)
         (d / "tokenizer.json").write_bytes((root / "tokenizer.json").read_bytes())
         out.append(d)
     return out[0], out[1]

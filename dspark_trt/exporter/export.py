@@ -14,7 +14,6 @@ from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Tokenizer files copied from the target next to tokenizer.json when present (the server reads its chat
 # template from them), hashed in the manifest like every other file.
-TOKENIZER_EXTRAS = ("tokenizer_config.json", "chat_template.jinja")
 
 
 def _versions() -> dict:
@@ -60,14 +59,6 @@ def _io(model_path: Path) -> dict:
     return {"inputs": [desc(v) for v in m.graph.input], "outputs": [desc(v) for v in m.graph.output]}
 
 
-def _eos_id(tokenizer_path: Path):
-    data = json.loads(tokenizer_path.read_text())
-    for tok in data.get("added_tokens", []):
-        if tok.get("content") in ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>"):
-            return tok["id"]
-    return None
-
-
 def manifest_facts(target_dir, draft_dir, head_dir, temperatures, max_draft: int, max_batch: int,
                    max_context: int, dtype: str) -> dict:
     """Everything the manifest says about the models and limits (not about files)."""
@@ -75,21 +66,23 @@ def manifest_facts(target_dir, draft_dir, head_dir, temperatures, max_draft: int
 
     tcfg, dcfg = load_config(target_dir), load_config(draft_dir)
     dims, limits = plan_dims(max_batch, max_draft, max_context)
-    tok = Path(target_dir) / "tokenizer.json"
+    from dspark_trt.exporter.tokenizer_files import tokenizer_facts
+
     return {
         "format": "dspark-trt-artifact", "format_version": 1,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tools": _versions(),
         "model": {"arch": tcfg.model_type, "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,
                   "num_layers": tcfg.num_hidden_layers, "num_kv_heads": tcfg.num_key_value_heads,
-                  "head_dim": tcfg.head_dim, "dtype": dtype, "max_context": max_context},
+                  "head_dim": tcfg.head_dim, "dtype": dtype, "max_context": max_context,
+                  "num_attention_heads": tcfg.num_attention_heads, "intermediate_size": tcfg.intermediate_size},
         "draft": {"arch": dcfg.model_type, "hidden_size": dcfg.hidden_size, "num_layers": dcfg.num_hidden_layers,
                   "num_kv_heads": dcfg.num_key_value_heads, "head_dim": dcfg.head_dim, "max_draft": max_draft,
                   "confidence": "head" if head_dir is not None else "fallback",
                   "temperatures": [float(t) for t in temperatures]},
         "limits": limits,
         "dims": dims,
-        "tokenizer": {"file": "tokenizer.json", "eos_token_id": _eos_id(tok) if tok.is_file() else None},
+        "tokenizer": tokenizer_facts(target_dir),
         "sources": {"target": str(Path(target_dir).resolve()), "draft": str(Path(draft_dir).resolve()),
                     "head": str(Path(head_dir).resolve()) if head_dir is not None else None},
     }
@@ -97,7 +90,9 @@ def manifest_facts(target_dir, draft_dir, head_dir, temperatures, max_draft: int
 
 def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: int = 7, max_batch: int = 64,
                      max_context: int = 1024, dtype: str = "fp32", overwrite: bool = False,
-                     debug_logits: bool = False, progress: bool = True, allow_large_draft: bool = False) -> Path:
+                     debug_logits: bool = False, progress: bool = True, allow_large_draft: bool = False,
+                     external_data: str = "auto") -> Path:
+    """external_data: "auto" (weights over 1 GiB per graph go to `<graph>.onnx.data`), "always", "never"."""
     import torch
     from tqdm import tqdm
 
@@ -105,7 +100,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     from dspark_trt.exporter.onnx_export import export_draft, export_target
     from dspark_trt.models.checkpoint import check_same_vocab, torch_dtype
     from dspark_trt.models.confidence_head import has_head
-    from dspark_trt.models.config import load_config
+    from dspark_trt.models.config import load_config, sliding_window_problem
 
     target_dir, draft_dir, out_dir = Path(target_dir), Path(draft_dir), Path(out_dir)
     for name, d in (("--target", target_dir), ("--draft", draft_dir)):
@@ -125,6 +120,10 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     tcfg, dcfg = load_config(target_dir), load_config(draft_dir)
     if not allow_large_draft:
         check_draft_cheaper(tcfg, dcfg, target_dir, draft_dir)
+    for label, cfg in (("target", tcfg), ("draft", dcfg)):
+        problem = sliding_window_problem(cfg, max_context, label)
+        if problem:
+            raise DsparkError(problem)
     if max_context > tcfg.max_position_embeddings:
         raise DsparkError(f"--max-context {max_context} exceeds the target's max_position_embeddings "
                           f"{tcfg.max_position_embeddings}")
@@ -132,6 +131,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     bar = tqdm(total=5, desc="export", disable=not progress, unit="stage")
     bar.set_postfix_str("loading models")
     draft_step, target_step, head = load_steps(target_dir, draft_dir, head_dir, dtype, max_draft, debug_logits)
+    temperatures = draft_step.temperatures
     bar.update()
     # Write into a temporary directory next to the destination, then move into place: a failed export
     # never leaves a half-written artifact, and an existing one is replaced only when asked. The temporary
@@ -142,24 +142,24 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     try:
         tdt = torch_dtype(dtype)
         bar.set_postfix_str("draft.onnx")
-        export_draft(draft_step, tmp / "draft.onnx", max_batch, tdt)
+        written = export_draft(draft_step, tmp / "draft.onnx", max_batch, tdt, external_data)
         bar.update()
         bar.set_postfix_str("target.onnx")
-        export_target(target_step, tmp / "target.onnx", max_batch, tdt, tcfg.vocab_size)
+        del draft_step  # free the draft's weights before tracing the target
+        written += export_target(target_step, tmp / "target.onnx", max_batch, tdt, tcfg.vocab_size, external_data)
+        del target_step
         bar.update()
-        shutil.copyfile(tok_src, tmp / "tokenizer.json")
-        extras = [n for n in TOKENIZER_EXTRAS if (target_dir / n).is_file()]
-        for n in extras:
-            shutil.copyfile(target_dir / n, tmp / n)
         bar.set_postfix_str("manifest")
-        manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, draft_step.temperatures,
+        manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype)
         manifest["graphs"] = {"draft": {"file": "draft.onnx", **_io(tmp / "draft.onnx")},
                               "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
         manifest["files"] = {}
         from dspark_trt.manifest import sha256_file
 
-        for name in ("draft.onnx", "target.onnx", "tokenizer.json", *extras):
+        for name in manifest["tokenizer"]["files"]:
+            shutil.copyfile(target_dir / name, tmp / name)
+        for name in written + manifest["tokenizer"]["files"]:
             p = tmp / name
             manifest["files"][name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")

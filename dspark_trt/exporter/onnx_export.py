@@ -56,7 +56,7 @@ def _dynamic_shapes(input_names, num_layers):
     return tuple(shapes)
 
 
-def export_draft(step: DraftStep, path: Path, num_slots: int, dtype) -> None:
+def export_draft(step: DraftStep, path: Path, num_slots: int, dtype, external_data: str = "auto") -> list[str]:
     ex = _packed_examples(num_slots)
     r = len(EX_QUERY_LENS)
     ex.update(temperature=torch.tensor([0.0, 0.7, 1.0]), uniforms=torch.tensor([0.1, 0.5, 0.9]),
@@ -64,10 +64,11 @@ def export_draft(step: DraftStep, path: Path, num_slots: int, dtype) -> None:
     args = tuple(ex[k] for k in DRAFT_INPUTS) + tuple(_past(step.decoder, num_slots, dtype))
     assert len(ex["query_lens"]) == r
     layers = step.num_layers
-    _export(step, args, DRAFT_INPUTS, DRAFT_OUTPUTS, layers, path)
+    return _export(step, args, DRAFT_INPUTS, DRAFT_OUTPUTS, layers, path, external_data)
 
 
-def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: int) -> None:
+def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: int,
+                  external_data: str = "auto") -> list[str]:
     ex = _packed_examples(num_slots)
     vl = EX_VERIFY_LENS
     m = sum(v + 1 for v in vl)
@@ -84,12 +85,12 @@ def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: in
               sample_uniforms=torch.tensor([0.1, 0.5, 0.9]))
     args = tuple(ex[k] for k in TARGET_INPUTS) + tuple(_past(step.decoder, num_slots, dtype))
     outputs = TARGET_OUTPUTS + (["logits"] if step.debug_logits else [])
-    _export(step, args, TARGET_INPUTS, outputs, step.num_layers, path)
+    return _export(step, args, TARGET_INPUTS, outputs, step.num_layers, path, external_data)
 
 
-def _export(module, args, input_names, output_names, num_layers, path: Path) -> None:
-    import onnx
-
+def _export(module, args, input_names, output_names, num_layers, path: Path, external_data: str) -> list[str]:
+    """Export and save one graph; returns the files written (the .onnx, and its .data when external)."""
+    from dspark_trt.exporter.external_data import save_program
     from dspark_trt.plugins.onnx_functions import attach_functions
 
     names = list(input_names) + kv_names(num_layers, "past")
@@ -102,7 +103,5 @@ def _export(module, args, input_names, output_names, num_layers, path: Path) -> 
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=outs,
                                     dynamic_shapes=_dynamic_shapes(input_names, num_layers), optimize=True,
-                                    verbose=False, external_data=False)
-    model = program.model_proto
-    attach_functions(model)
-    onnx.save(model, str(path))
+                                    verbose=False)
+    return save_program(program, path, external_data, attach_functions)

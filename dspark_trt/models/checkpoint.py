@@ -9,7 +9,7 @@ import torch
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.models.config import ModelConfig, load_config
-from dspark_trt.models.decoder import Decoder
+from dspark_trt.models.decoder import Decoder, rope_inv_freq
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
            "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -22,45 +22,72 @@ def torch_dtype(name: str) -> torch.dtype:
         raise DsparkError(f"unknown dtype {name!r} (use fp32, fp16 or bf16)") from None
 
 
-def read_state_dict(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint: model.safetensors, or the shards its index lists."""
     model_dir = Path(model_dir)
     single = model_dir / "model.safetensors"
     index = model_dir / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(str(single))
+        return [single]
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        state = {}
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as e:
+            raise DsparkError(f"{index} is not valid JSON: {e}") from None
+        files = []
         for shard in sorted(set(weight_map.values())):
             path = model_dir / shard
             if not path.is_file():
                 raise DsparkError(f"shard {shard} listed in {index} is missing")
-            state.update(load_file(str(path)))
-        return state
+            files.append(path)
+        return files
     raise DsparkError(f"no model.safetensors or model.safetensors.index.json in {model_dir}")
 
 
+def read_state_dict(model_dir: str | Path, dtype: torch.dtype | None = None, keys=None) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint (sharded or not), read one at a time and converted to `dtype` on the
+    way in, so peak memory is the converted weights plus one tensor (bf16 on disk -> fp32 is fine).
+    keys: only these names (others are skipped without being read)."""
+    from safetensors import safe_open
+
+    state = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if keys is not None and name not in keys:
+                    continue
+                t = f.get_tensor(name)
+                state[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    return state
+
+
 def load_decoder(model_dir: str | Path, dtype: str | torch.dtype = "fp32") -> Decoder:
-    """Build a Decoder from a HF checkpoint directory; missing tensors are a DsparkError naming the key."""
+    """Build a Decoder from a HF checkpoint directory; missing tensors are a DsparkError naming the key.
+
+    The module is built on the meta device and the checkpoint's tensors are assigned into it, so the
+    weights exist once in memory (no random init, no second copy)."""
     cfg = load_config(model_dir)
-    model = Decoder(cfg)
-    state = read_state_dict(model_dir)
-    expected = model.state_dict()
-    for key in expected:
+    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = read_state_dict(model_dir, dtype, keys=set(expected))
+    for key, shape in expected.items():
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         if key not in state:
-            raise DsparkError(f"checkpoint {model_dir} is missing tensor {key!r}")
-        if tuple(state[key].shape) != tuple(expected[key].shape):
+            hint = (" (config.json says tie_word_embeddings=false; set it to true if the checkpoint shares "
+                    "the embedding with lm_head)") if key == "lm_head.weight" else ""
+            raise DsparkError(f"checkpoint {model_dir} is missing tensor {key!r}{hint}")
+        if tuple(state[key].shape) != shape:
             raise DsparkError(f"tensor {key!r} in {model_dir} has shape {tuple(state[key].shape)}, "
-                              f"config.json implies {tuple(expected[key].shape)}")
-    model.load_state_dict({k: v for k, v in state.items() if k in expected}, strict=False)
+                              f"config.json implies {shape}")
+    state.pop("lm_head.weight", None) if cfg.tie_word_embeddings else None
+    model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    dtype = torch_dtype(dtype) if isinstance(dtype, str) else dtype
-    return model.to(dtype).eval()
+    model.inv_freq = rope_inv_freq(cfg)  # a computed buffer: not in the checkpoint, still on meta
+    return model.eval()
 
 
 def save_decoder(model: Decoder, model_dir: str | Path, dtype: str = "fp32") -> None:

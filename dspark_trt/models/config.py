@@ -65,6 +65,22 @@ class ModelConfig:
         return d
 
 
+# rope_scaling types the decoder implements, and the fields each needs (yarn, dynamic and longrope are
+# refused: their position-dependent or attention-scaled forms are not implemented).
+ROPE_FIELDS = {"linear": ("factor",),
+               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
+
+def sliding_window_problem(cfg: "ModelConfig", max_context: int, source: str) -> str | None:
+    """Sliding-window attention is not implemented: it is exact only while the context fits the window."""
+    window = cfg.extra.get("sliding_window")
+    if window and max_context > int(window):
+        return (f"{source} config.json sets sliding_window={window} (use_sliding_window), shorter than "
+                f"--max-context {max_context}: sliding-window attention is not implemented; export with "
+                f"--max-context {window} or less")
+    return None
+
+
 def _rope(raw: dict) -> tuple[float, dict | None]:
     # transformers >= 5 may nest theta and scaling under "rope_parameters".
     params = raw.get("rope_parameters") or {}
@@ -76,8 +92,12 @@ def _rope(raw: dict) -> tuple[float, dict | None]:
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default":
             return theta, None
-        if kind not in ("llama3", "linear"):
-            raise DsparkError(f"unsupported rope scaling type {kind!r} in config.json (supported: default, linear, llama3)")
+        if kind not in ROPE_FIELDS:
+            raise DsparkError(f"config.json rope_scaling.rope_type {kind!r} is not supported (supported: default, "
+                              f"{', '.join(ROPE_FIELDS)}); export a checkpoint without it or with one of these")
+        missing = [f for f in ROPE_FIELDS[kind] if scaling.get(f) is None]
+        if missing:
+            raise DsparkError(f"config.json rope_scaling ({kind}) is missing {', '.join(missing)}")
         scaling = dict(scaling, rope_type=kind)
     return theta, scaling or None
 

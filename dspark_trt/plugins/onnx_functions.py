@@ -192,15 +192,18 @@ def _sample_body(b: _Body) -> list[str]:
     finite = b.op("Less", b.op("Abs", zmax), b.const(float("inf")))
     e = b.op("Exp", b.op("Sub", z, b.op("Where", finite, zmax, zero_f)))
     p_soft = b.op("Div", e, b.op("ReduceSum", e, b.const([1], "int64"), keepdims=1))
-    greedy = b.op("Or", b.op("Not", _unsq(b, positive, 1)), b.op("Not", finite))
-    onehot = _float(b, b.op("Equal", _unsq(b, b.op("Range", zero_i, v, b.const(1, "int64")), 0), _unsq(b, am, 1)))
-    p = b.op("Where", greedy, onehot, p_soft)
+    # Greedy rows (T <= 0 or a non-finite row max) use the one-hot of the argmax instead of p_soft. It
+    # is never built as [M, V]: only the gathered p(x) per row, and the R final rows below, need it (a
+    # [M, V] one-hot and Where cost as much as the lm_head itself at V = 128256).
+    greedy = b.op("Squeeze", b.op("Or", b.op("Not", _unsq(b, positive, 1)), b.op("Not", finite)), b.const([1], "int64"))
 
     # accept tests
     x = "draft_tokens"
     valid = b.op("And", b.op("GreaterOrEqual", x, zero_i), b.op("Less", x, v))
     xc = _unsq(b, b.op("Where", valid, x, zero_i), 1)
-    px = b.op("Where", valid, b.op("Squeeze", b.op("GatherElements", p, xc, axis=1), b.const([1], "int64")), zero_f)
+    px_soft = b.op("Squeeze", b.op("GatherElements", p_soft, xc, axis=1), b.const([1], "int64"))
+    px_greedy = _float(b, b.op("Equal", x, am))
+    px = b.op("Where", valid, b.op("Where", greedy, px_greedy, px_soft), zero_f)
     qx = b.op("Where", valid, b.op("Squeeze", b.op("GatherElements", q, xc, axis=1), b.const([1], "int64")), zero_f)
     q_pos = b.op("Greater", qx, zero_f)
     ratio = b.op("Min", b.op("Div", px, b.op("Where", q_pos, qx, one_f)), one_f)
@@ -211,7 +214,10 @@ def _sample_body(b: _Body) -> list[str]:
 
     # final draw at row o_r + a_r: residual after a rejection (p if it sums to 0), else the bonus from p
     final_row = b.op("Add", rows["offs"], acc)
-    pf = b.op("Gather", p, final_row, axis=0)
+    onehot_f = _float(b, b.op("Equal", _unsq(b, b.op("Range", zero_i, v, b.const(1, "int64")), 0),
+                              _unsq(b, b.op("Gather", am, final_row, axis=0), 1)))
+    pf = b.op("Where", _unsq(b, b.op("Gather", greedy, final_row, axis=0), 1), onehot_f,
+              b.op("Gather", p_soft, final_row, axis=0))
     qf = b.op("Gather", q, final_row, axis=0)
     resid = b.op("Max", b.op("Sub", pf, qf), zero_f)
     rs = b.op("ReduceSum", resid, b.const([1], "int64"), keepdims=0)

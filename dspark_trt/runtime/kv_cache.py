@@ -38,3 +38,13 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.keys) * 2
+
+
+def kv_numpy_dtype(model_dtype: str):
+    """The host KV cache's dtype: the graphs' own (bf16 as ml_dtypes.bfloat16, numpy having none), so a
+    16-bit artifact's cache takes half the memory of a float32 one and is never converted per step."""
+    if model_dtype == "bf16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype({"fp32": np.float32, "fp16": np.float16}[model_dtype])

@@ -149,12 +149,89 @@ def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: 
     except DsparkError:
         if not measure_if_missing:
             raise
-    table = measure(rt, repeats=repeats, progress=progress)
+    table = quick_or_full_profile(rt, repeats=repeats, progress=progress)
     try:
         table.save(path)
     except OSError:
         pass  # a read-only artifact still runs; it just profiles again next time
     return table
+
+
+# ------------------------------------------------------------------------------ start-up (issue 20)
+START_BUDGET_S = 20.0  # a first load may spend about this long profiling; larger models get a quick profile
+
+
+def quick_or_full_profile(rt, repeats: int = 3, progress: bool = True, budget_s: float = START_BUDGET_S):
+    """The profile a first load measures: the full one when it fits `budget_s`, else a quick one.
+
+    Two probe calls (verify 1 and max tokens, timed once each after a warm-up) predict what the full
+    profile would cost (its verify and draft points, `repeats` + 1 calls each, plus the call shapes).
+    A large model on a small machine would spend minutes there (a 2.8 GB fp32 target on 2 cores: ~88
+    calls of up to several seconds), so it gets a profile of a few points instead: verify at 1, K+1 and
+    max tokens, draft at 1 and max batch, linear in between (the cost model's fit). It is marked
+    `quick` in its meta and saved like any profile; the runtime's drift correction refines it online
+    and `dspark-trt profile` replaces it with the full one.
+    """
+    from dspark_trt.runtime.cost_model import CostTable, measurement_points
+
+    max_tokens = min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
+    probe = _probe_verify(rt, [1, max_tokens])
+    full_calls = [(t, repeats + 1) for t in measurement_points(max_tokens)] + [(max_tokens // 2, 2 * 16)]
+    predicted_s = sum(n * np.interp(t, [1, max_tokens], probe) for t, n in full_calls) / 1e3
+    if predicted_s <= budget_s:
+        return measure(rt, repeats=repeats, progress=progress)
+    verify_at = sorted({1, min(rt.max_draft + 1, max_tokens), max_tokens})
+    draft_at = sorted({1, rt.slots_total})
+    vp = {t: [probe[0] if t == 1 else probe[1]] for t in (1, max_tokens)}
+    mid = [t for t in verify_at if t not in vp]
+    vp.update(dict(zip(mid, ([v] for v in _probe_verify(rt, mid)))))
+    dp = {b: [ms] for b, ms in zip(draft_at, _probe_draft(rt, draft_at))}
+    meta = dict(profile_meta(rt.manifest, rt.backend.name), quick=True)
+    return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=rt.slots_total)
+
+
+REFINE_MIN_OBSERVATIONS = 16
+
+
+def persist_refined(rt) -> Path | None:
+    """At close: a quick start-up profile is replaced by its drift-corrected tables (what the runtime
+    learned from real calls), so the next start begins from them. Full profiles are left alone."""
+    from dspark_trt.runtime.cost_model import CostTable
+
+    cost = getattr(rt, "cost", None)
+    if cost is None or not cost.meta.get("quick"):
+        return None
+    seen = sum(d["observations"] for d in cost.drift().values())
+    if seen < REFINE_MIN_OBSERVATIONS:
+        return None
+    tables = [np.maximum.accumulate(np.asarray(t, dtype=np.float64)) for t in (cost.verify_table(), cost.draft_table())]
+    meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen))
+    try:
+        return CostTable(*tables, meta, points=cost.points).save(profile_path(rt.artifact_dir, rt.backend.name))
+    except OSError:
+        return None  # a read-only artifact: refine again next time
+
+
+def _probe(run, make_feeds, cache, rt, sizes: list[int]) -> list[float]:
+    """One warm-up and one timed call per size (engine call plus the KV write, as `measure` times)."""
+    out = []
+    for size in sizes:
+        feeds, past = make_feeds(rt, size), cache.past(PROFILE_PAST)
+        for timed in (False, True):
+            s = time.perf_counter()
+            _, present = run(feeds, past)
+            cache.write(present, feeds["positions"], token_slots(feeds))
+            if timed:
+                out.append((time.perf_counter() - s) * 1e3)
+    return out
+
+
+def _probe_verify(rt, sizes):
+    return _probe(rt.backend.run_target, _verify_feeds, rt.target_kv, rt, sizes)
+
+
+def _probe_draft(rt, sizes):
+    return _probe(rt.backend.run_draft, _draft_feeds, rt.draft_kv, rt, sizes)
 
 
 def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5) -> Path:

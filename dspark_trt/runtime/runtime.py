@@ -23,7 +23,8 @@ from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
 from dspark_trt.runtime.call_shape import packed_shape
 from dspark_trt.runtime.config import GenerationConfig
 from dspark_trt.runtime.cost_model import table_lookup
-from dspark_trt.runtime.kv_cache import KVCache
+from dspark_trt.runtime.kv_cache import KVCache, kv_numpy_dtype
+from dspark_trt.runtime.memory_plan import plan_for
 from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.prefill_batching import prefill_group_size, prefill_now
 from dspark_trt.runtime.request import Request
@@ -81,21 +82,27 @@ def load_manifest(artifact_dir) -> dict:
 
 class Runtime:
     def __init__(self, artifact_dir, manifest: dict, backend, tokenizer, max_batch: int | None = None,
-                 cost_table=None, max_queue: int | None = None, recalibrate: bool = True):
+                 cost_table=None, max_queue: int | None = None, recalibrate: bool = True,
+                 max_context: int | None = None):
         self.artifact_dir = Path(artifact_dir)
         self.manifest = manifest
         self.backend = backend
         self.tokenizer = tokenizer
         lim = manifest["limits"]
         self.slots_total = int(lim["max_batch"])
-        self.max_batch = min(int(max_batch or self.slots_total), self.slots_total)
-        self.max_context = int(lim["max_context"])
+        kv_dtype = kv_numpy_dtype(manifest["model"]["dtype"])
+        # max_batch / max_context may only lower the exported limits; both are fitted to memory first.
+        self.memory_plan = plan_for(manifest, artifact_dir, backend, max_batch, max_context, kv_dtype)
+        self.max_batch = self.memory_plan.max_batch
+        self.max_context = self.memory_plan.max_context
         self.max_draft = int(lim["max_draft"])
         self.max_tokens_per_step = int(lim["max_tokens_per_step"])
         self.query_len_max = int(manifest["dims"]["query_len"]["max"])
         self.eos_id = manifest.get("tokenizer", {}).get("eos_token_id")
+        # every id that ends a request (generation_config.json may list several, e.g. Llama 3 instruct)
+        self.eos_ids = frozenset(manifest.get("tokenizer", {}).get("eos_token_ids")
+                                 or ([self.eos_id] if self.eos_id is not None else []))
         self.vocab = int(manifest["model"]["vocab_size"])
-        kv_dtype = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}[manifest["model"]["dtype"]]
         m, d = manifest["model"], manifest["draft"]
         # A backend may keep the caches itself (e.g. on the GPU for TensorRT); the default is host numpy.
         make_cache = getattr(backend, "make_kv_cache", None) or KVCache
@@ -159,7 +166,7 @@ class Runtime:
     @classmethod
     def load(cls, artifact_dir, backend: str = "ort", max_batch: int | None = None, profile: str = "auto",
              max_queue: int | None = None, recalibrate: bool = True,
-             backend_options: dict | None = None) -> "Runtime":
+             backend_options: dict | None = None, max_context: int | None = None) -> "Runtime":
         """Load an exported artifact. profile: "auto" (load cost_profile.json or measure one at start-up),
         "load" (must exist), or "none" (adaptive then uses a per-token cost estimate). recalibrate: correct
         the draft's survivals online from what verification accepts (survival_correction.py).
@@ -175,7 +182,8 @@ class Runtime:
         if backend_options:
             backend = ".".join([backend, *(str(v).replace(":", "") for _, v in sorted(backend_options.items()))])
         tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
-        rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate)
+        rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate,
+                 max_context=max_context)
         if profile != "none":
             from dspark_trt.runtime.profiling import load_or_profile
 
@@ -340,6 +348,10 @@ class Runtime:
         if self._worker is not None:
             self._worker.join(timeout=10)
         self._fail_all("runtime closed")
+        if self.artifact_dir.is_dir() and (self.artifact_dir / "manifest.json").is_file():
+            from dspark_trt.runtime.profiling import persist_refined
+
+            persist_refined(self)
 
     def __enter__(self):
         return self
@@ -950,8 +962,9 @@ class Runtime:
             return
         new = new[:max(0, r.remaining())]
         reason = None
-        if r.config.stop_at_eos and self.eos_id is not None and self.eos_id in new:
-            new = new[:new.index(self.eos_id) + 1]
+        stop = next((i for i, t in enumerate(new) if t in self.eos_ids), None) if r.config.stop_at_eos else None
+        if stop is not None:
+            new = new[:stop + 1]
             reason = "stop"
         if not r.stats.generated and new:
             r.stats.t_first = now

@@ -278,9 +278,9 @@ def _run_until_signalled(server, sock) -> None:
 
 def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int = 8000,
           max_batch: int | None = None, max_queue: int | None = 256, model_name: str | None = None,
-          log_level: str = "info", limits=None) -> None:
+          log_level: str = "info", limits=None, max_context: int | None = None) -> None:
     """Load the artifact and serve it until SIGTERM or Ctrl-C; what `dspark-trt serve` runs. limits: a
-    ServeLimits (body size, timeouts, shutdown grace, API key)."""
+    ServeLimits (body size, timeouts, shutdown grace, API key); max_context may only lower the artifact's."""
     _require_web()
     from dspark_trt.runtime import Runtime
     from dspark_trt.serve.limits import ServeLimits
@@ -289,7 +289,8 @@ def serve(artifact_dir, backend: str = "ort", host: str = "127.0.0.1", port: int
     limits = limits or ServeLimits()
     sock = _bind(host, port)  # bind first: a busy port fails fast, before the engines load
     try:
-        rt = Runtime.load(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue)
+        rt = Runtime.load(artifact_dir, backend=backend, max_batch=max_batch, max_queue=max_queue,
+                          max_context=max_context)
         try:
             name = model_name or Path(artifact_dir).resolve().name
             app = create_app(rt, model_name=name, limits=limits)

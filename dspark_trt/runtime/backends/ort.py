@@ -24,6 +24,10 @@ class OrtBackend:
     def __init__(self, artifact_dir, manifest: dict, threads: int | None = None):
         import onnxruntime as ort
 
+        if manifest["model"].get("dtype") == "bf16":
+            raise DsparkError("ONNX Runtime has no bfloat16 kernels for these graphs (MatMul) and no numpy "
+                              "bfloat16 inputs: run a bf16 artifact with --backend trt (or torch), or export "
+                              "with --dtype fp16 / fp32 for ort")
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3

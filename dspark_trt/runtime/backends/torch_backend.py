@@ -46,7 +46,7 @@ class TorchBackend:
         self._float = next(self.target.parameters()).dtype
 
     def _to_device(self, a: np.ndarray, kv: bool = False):
-        t = self.torch.from_numpy(np.ascontiguousarray(a)).to(self.device)
+        t = _to_torch(self.torch, np.ascontiguousarray(a)).to(self.device)
         return t.to(self._float) if kv else t  # the graphs' other float inputs are float32 at any dtype
 
     def _to_host(self, t) -> np.ndarray:
@@ -91,3 +91,10 @@ def check_device(torch, device):
     elif dev.type != "cpu":
         raise DsparkError(f"torch backend device {device!r}: use cpu, cuda or cuda:N")
     return dev
+
+
+def _to_torch(torch, a: np.ndarray):
+    """numpy -> torch without a copy; ml_dtypes.bfloat16 (the host KV cache of a bf16 artifact) by bits."""
+    if a.dtype.name == "bfloat16":
+        return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
