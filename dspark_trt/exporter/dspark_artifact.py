@@ -27,7 +27,8 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                            overwrite: bool = False) -> Path:
     from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
                                                    export_target_with_aux)
-    from dspark_trt.exporter.export import _eos_id, _io, _versions, plan_dims
+    from dspark_trt.exporter.export import _io, _versions, plan_dims
+    from dspark_trt.exporter.tokenizer_files import tokenizer_facts
     from dspark_trt.manifest import now_iso, sha256_file
     from dspark_trt.models.checkpoint import load_decoder
     from dspark_trt.models.dspark_drafter import load_dspark_drafter
@@ -52,7 +53,9 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     try:
         export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch)
         export_dspark(drafter, tmp, num_slots=max_batch, sample=True)
-        shutil.copyfile(tok_src, tmp / "tokenizer.json")
+        tokenizer = tokenizer_facts(target_dir)
+        for name in tokenizer["files"]:
+            shutil.copyfile(target_dir / name, tmp / name)
         dims, limits = plan_dims(max_batch, n, max_context)
         tc, lc = target.config, cfg.layers
         manifest = {
@@ -66,7 +69,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                       "confidence": "head" if drafter.confidence_head is not None else "fallback",
                       "temperatures": [1.0] * n, "kind": "dspark", "dspark": cfg.summary()},
             "limits": limits, "dims": dims,
-            "tokenizer": {"file": "tokenizer.json", "eos_token_id": _eos_id(tok_src)},
+            "tokenizer": tokenizer,
             "sources": {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None},
             "graphs": {"draft": {"file": DRAFT_FILE, **_io(tmp / DRAFT_FILE)},
                        "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
@@ -74,7 +77,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                        CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}},
             "files": {},
         }
-        for name in (DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, CONTEXT_FILE, "tokenizer.json"):
+        for name in (DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, CONTEXT_FILE, *tokenizer["files"]):
             manifest["files"][name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
         if out_dir.exists():
