@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_trt.runtime.controller import AdaptiveController, parse_spec
-from dspark_trt.runtime.cost_model import CostTable, measurement_points
+from dspark_trt.runtime.costs.table import CostTable, measurement_points
 from dspark_trt.runtime.solver import best_budget, solve_budget, solve_budget_for_b
 
 SETTINGS = settings(max_examples=60, deadline=None)

@@ -49,12 +49,13 @@ from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import spec_syntax
 from dspark_trt.runtime.solver import (SMALL_SLOTS, _best, _lengths, _survival, best_budget, rows_valid,
                                        solve_budget_for_b, solve_small)
+from dspark_trt.runtime.tuning import RuntimeTuning
 
 __all__ = ["AdaptiveController", "ControllerMetrics", "CostModel", "parse_spec"]
 
 #: Survival profile used for new requests before any step has been seen: S_k = 0.7^k (first draft
 #: token accepted ~70% of the time, the seventh <10%, in line with vLLM's reported per-position rates).
-DEFAULT_PRIOR_ACCEPTANCE = 0.7
+DEFAULT_PRIOR_ACCEPTANCE = RuntimeTuning.prior_acceptance
 
 
 class CostModel(Protocol):
@@ -129,12 +130,13 @@ class AdaptiveController:
         because they were least predictable) from replacing what dozens of full steps measured.
     """
 
-    def __init__(self, spec: str = "adaptive", *, prior_survival=None, prior_decay: float = 1 / 256,
-                 metrics_window: int = 4096):
+    def __init__(self, spec: str = "adaptive", *, prior_survival=None, prior_decay: float = RuntimeTuning.prior_decay,
+                 prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE, metrics_window: int = 4096):
         self.policy, self.k_fixed = parse_spec(spec)
         if not 0 < prior_decay <= 1:
             raise ValueError(f"prior_decay must be in (0, 1]; got {prior_decay}")
         self.prior_decay = float(prior_decay)
+        self.prior_acceptance = float(prior_acceptance)
         self._initial_prior = None if prior_survival is None else self._check_row(prior_survival)
         self.metrics = ControllerMetrics(window=metrics_window)
         self.reset()
@@ -159,8 +161,8 @@ class AdaptiveController:
         """The sizing row for a request with no previous row: running mean profile, else the initial prior."""
         base = self._mean if self._mean is not None else self._initial_prior
         if base is None:
-            return DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64)
-        return _fit_width(base[None, :], K)[0]
+            return self.prior_acceptance ** np.arange(1, K + 1, dtype=np.float64)
+        return _fit_width(base[None, :], K, self.prior_acceptance)[0]
 
     def conditional_acceptance(self, K: int) -> list[float]:
         """``[0, S_2/S_1, ..., S_K/S_(K-1)]`` of the prior profile (prior_row), as a list: the chance that
@@ -331,14 +333,14 @@ class AdaptiveController:
         return lengths
 
 
-def _fit_width(rows: np.ndarray, K: int) -> np.ndarray:
+def _fit_width(rows: np.ndarray, K: int, prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE) -> np.ndarray:
     """Survival rows (n, K') truncated or extended to K positions (extension repeats each row's last
     per-position ratio, so rows stay non-increasing)."""
     n, width = rows.shape
     if width >= K:
         return rows[:, :K]
     if width == 0:
-        return np.tile(DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64), (n, 1))
+        return np.tile(prior_acceptance ** np.arange(1, K + 1, dtype=np.float64), (n, 1))
     last = rows[:, -1]
     if width >= 2:
         prev = rows[:, -2]

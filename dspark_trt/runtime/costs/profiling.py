@@ -11,12 +11,9 @@ import numpy as np
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
 
-PROFILE_PAST = 128
 # What one measurement spans and which measurements a profile holds; a profile that differs is measured
 # again. "shapes": target calls of varied shape for the call-shape model (call_shape.py).
 TIMING = "call+kv-write;shapes"
-CHEAP_MS = 5.0  # calls faster than this are timed several times per measurement (median)
-MAX_INNER = 7
 
 
 def profile_path(artifact_dir, backend: str) -> Path:
@@ -33,11 +30,11 @@ def profile_meta(manifest: dict, backend: str) -> dict:
 
 
 def _verify_feeds(rt, tokens: int) -> dict:
-    """`tokens` tokens in rows of at most max_draft + 1 (dense verifies), each row at PROFILE_PAST."""
+    """`tokens` tokens in rows of at most max_draft + 1 (dense verifies), each row at the profile's past."""
     per = rt.max_draft + 1
     r = max(1, min(rt.slots_total, math.ceil(tokens / per)))
     sizes = [tokens // r + (1 if i < tokens % r else 0) for i in range(r)]
-    return _packed_verify_feeds(rt, sizes, min(PROFILE_PAST, rt.max_context - per - 1))
+    return _packed_verify_feeds(rt, sizes, min(rt.tuning.profile.past, rt.max_context - per - 1))
 
 
 def _packed_verify_feeds(rt, query_lens: list[int], past: int) -> dict:
@@ -71,20 +68,25 @@ def shape_layouts(rt) -> list[tuple[list[int], int]]:
 
 
 def _draft_feeds(rt, batch: int) -> dict:
-    past = min(PROFILE_PAST, rt.max_context - 2)
+    past = min(rt.tuning.profile.past, rt.max_context - 2)
     feeds = pack_queries([[1]] * batch, [past] * batch, list(range(batch)))
     feeds.update(temperature=np.zeros(batch, np.float32), uniforms=np.full(batch, 0.5, np.float32),
                  prev_survival=np.ones(batch, np.float32), draft_position=np.zeros(batch, np.int64))
     return feeds
 
 
-def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None = None, max_batch: int | None = None):
-    from dspark_trt.runtime.cost_model import CostTable, profile_points
+def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: int | None = None,
+            max_batch: int | None = None):
+    """Time rt's engines (a Runtime: its backend, caches, limits and tuning.profile) into a CostTable."""
+    from dspark_trt.runtime.costs.table import CostTable, profile_points
 
     max_tokens = max_tokens or min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     max_batch = max_batch or rt.slots_total
 
-    def timer(run, make_feeds, cache, past_of=lambda size: PROFILE_PAST):
+    p = rt.tuning.profile
+    repeats = repeats or p.repeats
+
+    def timer(run, make_feeds, cache, past_of=lambda size: p.past):
         # The full call as the runtime makes it: engine run plus writing the new KV entries back (the
         # runtime's drift correction observes the same span, with packing the feeds).
         def once(feeds, past) -> float:
@@ -95,10 +97,10 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
 
         def ms(size: int) -> float:
             # A call of a millisecond or two is at the mercy of one scheduler hiccup: time cheap calls a
-            # few times over and keep their median, so every measurement point weighs ~CHEAP_MS of work.
+            # few times over and keep their median, so every measurement point weighs ~cheap_ms of work.
             feeds, past = make_feeds(rt, size), cache.past(past_of(size))
             times = [once(feeds, past)]
-            extra = min(MAX_INNER - 1, math.ceil(CHEAP_MS / max(times[0], 1e-3)) - 1)
+            extra = min(p.max_inner - 1, math.ceil(p.cheap_ms / max(times[0], 1e-3)) - 1)
             times += [once(feeds, past) for _ in range(max(0, extra))]
             return float(np.median(times))
         return ms
@@ -121,8 +123,9 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
                                        max_tokens=max_tokens, max_batch=max_batch, shape_points=shapes)
 
 
-def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: int = 3, progress: bool = True):
-    from dspark_trt.runtime.cost_model import CostTable
+def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: int | None = None,
+                    progress: bool = True):
+    from dspark_trt.runtime.costs.table import CostTable
 
     path = profile_path(rt.artifact_dir, backend)
     meta = profile_meta(rt.manifest, backend)
@@ -137,14 +140,3 @@ def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: 
     except OSError:
         pass  # a read-only artifact still runs; it just profiles again next time
     return table
-
-
-def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5) -> Path:
-    from dspark_trt.runtime.runtime import Runtime
-
-    rt = Runtime.load(artifact_dir, backend=backend, profile="none")
-    try:
-        table = measure(rt, repeats=repeats)
-        return table.save(profile_path(artifact_dir, backend))
-    finally:
-        rt.close()
