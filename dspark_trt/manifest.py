@@ -34,6 +34,22 @@ IO_DTYPES = ("int64", "int32", "float32", "float16", "bfloat16", "bool", "uint8"
 MODEL_DTYPE_TO_ONNX = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 CONFIDENCE_MODES = ("head", "fallback")
 PLUGIN_MODES = ("aot", "jit", "none")
+# Graph I/O names: the contract between the exported graphs (exporter/graphs.py) and every backend.
+PACKED_INPUTS = ["tokens", "positions", "pack_index", "unpack_index", "query_lens", "past_lens", "slot_ids"]
+DRAFT_INPUTS = PACKED_INPUTS + ["temperature", "uniforms", "prev_survival", "draft_position"]
+DRAFT_OUTPUTS = ["draft_token", "draft_probs", "survival", "confidence_logit"]
+TARGET_INPUTS = PACKED_INPUTS + ["verify_index", "verify_lens", "draft_tokens", "draft_probs", "temperature",
+                                 "accept_uniforms", "sample_uniforms"]
+TARGET_OUTPUTS = ["accepted", "next_token"]
+
+
+def kv_names(num_layers: int, prefix: str) -> list[str]:
+    """KV cache I/O names of a graph: prefix "past" (inputs) or "present" (outputs)."""
+    if prefix == "past":
+        return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+    return [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+
+
 # Files whose hash must not key cost profiles (the profile itself, written after the key is taken).
 _NOT_IN_ARTIFACT_KEY = ("cost_profile.json",)
 
@@ -220,7 +236,7 @@ class Manifest:
         path = _manifest_path(artifact_dir)
         if not path.is_file():
             if not path.parent.exists():
-                raise DsparkError(f"artifact directory {path.parent} does not exist: export one with "
+                raise DsparkError(f"artifact directory {path.parent} does not exist: create it with "
                                   f"`dspark-trt export`")
             raise DsparkError(f"{path} not found: this is not an exported artifact directory "
                               f"(run `dspark-trt export`)")

@@ -19,6 +19,7 @@ from typing import Iterator
 import numpy as np
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.manifest import Manifest, load_manifest
 from dspark_trt.runtime.config import GenerationConfig
 from dspark_trt.runtime.controller import AdaptiveController
 from dspark_trt.runtime.costs.step import Costs
@@ -56,22 +57,11 @@ class GenerationResult:
         return d
 
 
-def load_manifest(artifact_dir) -> dict:
-    """The artifact's manifest as a dict, with a clear error when there is none."""
-    from dspark_trt.manifest import Manifest
-
-    if not Path(artifact_dir).is_dir():
-        raise DsparkError(f"artifact directory {artifact_dir} does not exist: create it with `dspark-trt export`")
-    if not (Path(artifact_dir) / "manifest.json").is_file():
-        raise DsparkError(f"no manifest.json in {artifact_dir}: create the artifact with `dspark-trt export`")
-    return Manifest.load(artifact_dir).data
-
-
 _KV_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}  # numpy has no bfloat16
 
 
 class Runtime:
-    def __init__(self, artifact_dir, manifest: dict, backend, tokenizer, max_batch: int | None = None,
+    def __init__(self, artifact_dir, manifest: Manifest, backend, tokenizer, max_batch: int | None = None,
                  cost_table=None, max_queue: int | None = None, recalibrate: bool = True,
                  tuning: RuntimeTuning | None = None):
         t = (tuning or RuntimeTuning()).validate()
@@ -182,7 +172,6 @@ class Runtime:
         draft, _, head = load_steps(target_dir, draft_dir, head_dir, dtype, max_draft)
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, draft.temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype)
-        manifest["files"] = {}
         be = TorchBackend(None, manifest)
         rt = cls(target_dir, manifest, be, load_tokenizer(Path(target_dir) / "tokenizer.json"))
         if profile != "none":
