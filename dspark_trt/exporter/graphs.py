@@ -11,8 +11,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark_trt.manifest import (DRAFT_INPUTS, DRAFT_OUTPUTS, PACKED_INPUTS, TARGET_INPUTS,  # noqa: F401
-                                  TARGET_OUTPUTS, kv_names)
 from dspark_trt.models.confidence_head import ConfidenceHead, draft_stats
 from dspark_trt.models.decoder import Decoder, PackedBatch
 from dspark_trt.plugins.spec import PLUGIN_NAMESPACE

@@ -1,7 +1,7 @@
 """When to prefill arriving prompts: now, or a few steps later together with the next ones.
 
 Every engine call reads all of the model's weights once, so a call has a fixed cost (c0 in
-call_shape.py: ~7 ms for the tiny target on this CPU, against ~45 ms for a step of 64 decode rows). A
+costs/call_shape.py; on a CPU a sizeable share of a whole decode step even at 64 rows). A
 prompt that arrives while others decode cannot share their call cheaply (the packed attention would
 pad every decode row to the prompt's length), so it gets a call of its own, and under a steady stream
 of arrivals every step pays one extra c0. Prompts that wait for each other share that cost; the price
@@ -15,7 +15,7 @@ request emits per step), worth tau / rate ms at the current output rate. The sum
 
 and a group of k + 1 beats a group of k exactly when k (k + 1) < k*^2. So the waiting prompts are
 prefilled as soon as their number k satisfies k (k + 1) >= k*^2 (or the oldest has waited max_wait
-steps, tuning.RuntimeTuning.prefill_max_wait). At low load k* < sqrt(2) and nothing waits; at 64 requests here k* ~ 4.
+steps, tuning.RuntimeTuning.prefill_max_wait). At low load k* < sqrt(2) and nothing waits.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ MONOTONE_ATOL = 1e-5
 _INT64_MAX = np.iinfo(np.int64).max
 #: Up to this many slots (R x K) the controller solves in pure Python (:func:`solve_small`): there each
 #: numpy call costs more than the arithmetic it does, several times more right after an engine call
-#: has evicted the caches (~5 us a call measured in a step at 4 requests, ~0.3 ms a step in all).
+#: has evicted the caches.
 SMALL_SLOTS = 64
 
 

@@ -6,8 +6,8 @@ gathers every row's cache up to the call's longest past. So a call's time grows 
   - rows x past, R * P (gathering the rows' caches),
   - the padded attention, R * Lq * (P + Lq) (Lq: the longest query in the call).
 A table indexed by token count cannot tell a call of 32 one-token rows plus one 40-token prompt chunk
-(measured ~110 ms on the tiny pair, ORT on this CPU) from the same rows with the prompt in a call of its
-own (~25 + ~18 ms), nor one request verifying 7 drafts while 31 verify none from an even spread. This
+(every row padded to 40) from the same rows with the prompt in a call of its own (several times
+cheaper on the tiny pair), nor one request verifying 7 drafts while 31 verify none from an even spread. This
 model can, and the runtime uses it to decide when a prompt chunk gets its own call and how deep a
 step's verification may go before padding every row to that depth stops paying.
 
@@ -16,7 +16,7 @@ kept: four features make that exact and cheap), from calls of known shape timed 
 exponentially weighted log-ratios (observed / predicted) follow the machine's drift: one per call width
 (rows, to the nearest power of two), starting from a global one. The profile's shapes cannot cover every
 width the way a running batch does, and a single factor learned mostly from the many small calls (prompt
-chunks, a few requests) left 64-row calls ~15% dearer than predicted here, a bias that falls unevenly on
+chunks, a few requests) left the widest calls dearer than predicted, a bias that falls unevenly on
 plain and drafting steps.
 """
 

@@ -1,7 +1,8 @@
 """Admission: the wait queue, the KV slots, and which requests take part in a step.
 
 Also decides which arriving prompts wait a few steps to share a prefill call (prefill_batching.py).
-Thread-safe where callers meet the worker: ``enqueue``, ``idle``, ``fail_all``.
+Callers meet the worker under ``lock``: ``check_room`` and ``enqueue`` (the caller holds it), ``busy``,
+``fail_all``.
 """
 
 from __future__ import annotations
