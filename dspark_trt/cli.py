@@ -8,7 +8,7 @@ import sys
 import click
 
 from dspark_trt import __version__
-from dspark_trt.commands.options import backend_option
+from dspark_trt.commands.options import backend_option, generation_options
 from dspark_trt.errors import DsparkError
 
 CONTEXT = {"show_default": True, "help_option_names": ["-h", "--help"]}
@@ -75,23 +75,11 @@ def build(artifact_dir, out_dir, dry_run, plugin_mode):
         click.echo(f"wrote {path}")
 
 
-def _generation_options(f):
-    for decorator in reversed([
-        backend_option,
-        click.option("--spec", default="adaptive", help="Speculation: off | fixed:K | adaptive."),
-        click.option("--temperature", default=0.0, type=click.FloatRange(0.0), help="0 = greedy."),
-        click.option("--max-new-tokens", default=64, type=click.IntRange(1), help="Tokens to generate per prompt."),
-        click.option("--seed", default=0, type=int, help="Seed for sampling."),
-    ]):
-        f = decorator(f)
-    return f
-
-
 @cli.command()
 @click.argument("artifact_dir", type=click.Path())
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
 @click.option("--prompts-file", type=click.Path(), default=None, help="A text file (one prompt per line) or JSONL with a 'prompt' field.")
-@_generation_options
+@generation_options
 @click.option("--compare", is_flag=True, help="Also run without speculation and print the speed-up.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, max_new_tokens, seed, compare, as_json):
