@@ -8,6 +8,7 @@ import sys
 import click
 
 from dspark_trt import __version__
+from dspark_trt.commands.options import backend_option, generation_options
 from dspark_trt.errors import DsparkError
 
 CONTEXT = {"show_default": True, "help_option_names": ["-h", "--help"]}
@@ -80,28 +81,16 @@ def build(artifact_dir, out_dir, dry_run, plugin_mode):
         click.echo(f"wrote {path}")
 
 
-def _generation_options(f):
-    for decorator in reversed([
-        click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]), help="Execution backend."),
-        click.option("--spec", default="adaptive", help="Speculation: off | fixed:K | adaptive."),
-        click.option("--temperature", default=0.0, type=click.FloatRange(0.0), help="0 = greedy."),
-        click.option("--max-new-tokens", default=64, type=click.IntRange(1), help="Tokens to generate per prompt."),
-        click.option("--seed", default=0, type=int, help="Seed for sampling."),
-    ]):
-        f = decorator(f)
-    return f
-
-
 @cli.command()
 @click.argument("artifact_dir", type=click.Path())
 @click.option("--prompt", "prompts", multiple=True, help="A prompt (repeatable).")
 @click.option("--prompts-file", type=click.Path(), default=None, help="A text file (one prompt per line) or JSONL with a 'prompt' field.")
-@_generation_options
+@generation_options
 @click.option("--compare", is_flag=True, help="Also run without speculation and print the speed-up.")
 @click.option("--json", "as_json", is_flag=True, help="Print results as JSON.")
 def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, max_new_tokens, seed, compare, as_json):
     """Generate text with (adaptive) speculative decoding."""
-    from dspark_trt.runtime.cli_generate import run_generate
+    from dspark_trt.commands.generate import run_generate
 
     run_generate(artifact_dir, list(prompts), prompts_file, backend=backend, spec=spec, temperature=temperature,
                  max_new_tokens=max_new_tokens, seed=seed, compare=compare, as_json=as_json, echo=click.echo)
@@ -109,11 +98,11 @@ def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, ma
 
 @cli.command()
 @click.argument("artifact_dir", type=click.Path())
-@click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]), help="Execution backend.")
+@backend_option
 @click.option("--repeats", default=5, type=click.IntRange(1), help="Repeats per point (median is kept).")
 def profile(artifact_dir, backend, repeats):
     """Measure verify/draft step costs and save cost_profile.json."""
-    from dspark_trt.runtime.profiling import profile_artifact
+    from dspark_trt.commands.profile import profile_artifact
 
     path = profile_artifact(artifact_dir, backend=backend, repeats=repeats)
     click.echo(f"wrote {path}")
@@ -183,7 +172,7 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
 
 @cli.command()
 @click.argument("artifact_dir", type=click.Path())
-@click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]))
+@backend_option
 @click.option("--concurrency", default="1,2,4,8,16,32,64", help="Comma-separated concurrency levels (closed loop).")
 @click.option("--rates", default=None,
               help="Open loop: Poisson arrival rates in requests/s (1,2,4), multiples of the measured capacity "
@@ -270,7 +259,7 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
 
 @cli.command()
 @click.argument("artifact_dir", type=click.Path())
-@click.option("--backend", default="ort", type=click.Choice(["ort", "torch", "trt"]))
+@backend_option
 @click.option("--host", default="127.0.0.1")
 @click.option("--port", default=8000, type=click.IntRange(0, 65535))
 @click.option("--max-batch", default=None, type=click.IntRange(1), help="Concurrent requests (default: the manifest's).")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dspark_trt.runtime.call_shape import CallShapeCost, features, fit_nonnegative, packed_shape
-from dspark_trt.runtime.cost_model import CostTable
+from dspark_trt.runtime.costs.call_shape import CallShapeCost, features, fit_nonnegative, packed_shape
+from dspark_trt.runtime.costs.table import CostTable
 from dspark_trt.runtime.solver import cap_depth
 
 # Roughly what the tiny pair measures on this CPU: 6 ms a call, 0.3 ms a token, 0.3 ms per 100 past

@@ -74,7 +74,7 @@ def test_profile_writes_a_cost_profile(tiny_artifact):
     # a prompt chunk among decode rows; a fitted model that predicts them.
     shapes = np.asarray(prof["points"]["verify_shapes"])
     assert len(shapes) >= 10 and len(set(shapes[:, 1])) >= 3 and (shapes[:, 4] > 0).all()
-    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.costs.table import CostTable
 
     model = CostTable.load(tiny_artifact / "cost_profile.json").call_shape
     pred = np.array([model.ms(*map(int, s[:4])) for s in shapes])

@@ -1,4 +1,4 @@
-"""The controller: exact for greedy, stale-sized (hence lossless) for sampling, caps and policies honoured."""
+"""The controller: exact for greedy, stale-sized (hence lossless) for sampling, caps honoured."""
 
 import copy
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dspark_trt.runtime.controller import AdaptiveController, parse_spec
-from dspark_trt.runtime.cost_model import CostTable, measurement_points
+from dspark_trt.runtime.controller import AdaptiveController
+from dspark_trt.runtime.costs.table import CostTable, measurement_points
 from dspark_trt.runtime.solver import best_budget, solve_budget, solve_budget_for_b
 
 SETTINGS = settings(max_examples=60, deadline=None)
@@ -58,7 +58,6 @@ def test_all_greedy_uses_the_exact_optimum_of_the_live_survivals(b):
     ctl = AdaptiveController()
     lengths = ctl.plan(S, list(range(R)), np.zeros(R, bool), COST, draft_batch=R)
     assert lengths.tolist() == solve_budget(S, COST.table, COST.draft).tolist()
-    assert ctl.metrics.steps_by_mode["exact"] == 1
 
 
 def test_greedy_verifies_everything_when_verification_is_free_and_nothing_when_ruinous():
@@ -81,7 +80,6 @@ def test_sampling_sizes_the_budget_from_last_steps_rows_and_allocates_from_the_l
     budget, _ = best_budget(previous, COST.table, COST.draft)
     assert lengths.sum() == budget
     assert lengths.tolist() == solve_budget_for_b(live, budget).tolist()
-    assert ctl.metrics.steps_by_mode["stale"] == 2
 
 
 def test_rows_are_matched_by_request_id_not_position():
@@ -100,7 +98,6 @@ def test_new_requests_use_the_prior_then_the_running_mean_profile():
     assert ctl.prior_row(K) == pytest.approx(0.7 ** np.arange(1, K + 1))  # before any step
     first = geometric(2, K, 0.9)
     ctl.plan(first, ["a", "b"], [True, True], COST, 2)
-    assert ctl.metrics.prior_rows == 2
     assert ctl.prior_row(K) == pytest.approx(first.mean(axis=0))
     ctl.plan(geometric(2, K, 0.5), ["a", "b"], [True, True], COST, 2)
     w = 1 - (1 - 0.5) ** 2  # a step of 2 rows at 0.5 a row
@@ -110,7 +107,6 @@ def test_new_requests_use_the_prior_then_the_running_mean_profile():
     lengths = ctl.plan(geometric(3, K, 0.3), ["a", "b", "new"], [True, True, True], COST, 3)
     sizing = np.vstack([geometric(2, K, 0.5), prior])
     assert lengths.sum() == best_budget(sizing, COST.table, COST.draft)[0]
-    assert ctl.metrics.prior_rows == 3
 
 
 def test_the_mean_profile_weighs_steps_by_their_rows():
@@ -141,26 +137,18 @@ def test_the_mean_profile_weighs_steps_by_their_rows():
 def test_the_small_greedy_path_plans_and_remembers_what_the_numpy_path_does(data):
     """Up to solver.SMALL_SLOTS slots the greedy plan runs in pure Python: the same lengths, the same rows
     kept for the next step and the same mean profile as the numpy path, step after step."""
-    from dspark_trt.runtime import controller as controller_mod
-
-    fast, slow = AdaptiveController(prior_decay=0.2), AdaptiveController(prior_decay=0.2)
+    fast, slow = AdaptiveController(prior_decay=0.2), AdaptiveController(prior_decay=0.2, small_slots=0)
     for step in range(3):
         R, K = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 7))
         S = data.draw(survival(R, K))
         caps = data.draw(st.one_of(st.none(), st.lists(st.integers(0, K), min_size=R, max_size=R)))
         ids = data.draw(st.lists(st.integers(0, 12), min_size=R, max_size=R, unique=True))
         got = fast.plan(S, ids, [False] * R, COST, R, caps=caps)
-        saved = controller_mod.SMALL_SLOTS
-        controller_mod.SMALL_SLOTS = 0
-        try:
-            want = slow.plan(S, ids, [False] * R, COST, R, caps=caps)
-        finally:
-            controller_mod.SMALL_SLOTS = saved
+        want = slow.plan(S, ids, [False] * R, COST, R, caps=caps)
         assert got.tolist() == want.tolist() and got.dtype == want.dtype
         for rid in ids:
             assert fast.previous_row(rid) == pytest.approx(slow.previous_row(rid), abs=1e-12)
         assert fast.prior_row(7) == pytest.approx(slow.prior_row(7), abs=1e-12)
-    assert fast.metrics.steps_by_mode == slow.metrics.steps_by_mode
 
 
 def test_an_explicit_prior_and_a_change_of_draft_length_are_handled():
@@ -217,14 +205,14 @@ def test_greedy_rows_in_a_mixed_batch_size_the_budget_live():
     assert lengths.sum() == best_budget(sizing, COST.table, COST.draft)[0]
 
 
-# -------------------------------------------------------------------------------- caps and policies
+# ------------------------------------------------------------------------------------------- caps
 
 @SETTINGS
-@given(st.data(), batch(), st.sampled_from(["adaptive", "fixed:3", "fixed:0", "off"]))
-def test_caps_are_respected_by_every_policy(data, b, spec):
+@given(st.data(), batch())
+def test_caps_are_respected(data, b):
     R, K, S, sampling = b
     caps = np.array(data.draw(st.lists(st.integers(0, K + 2), min_size=R, max_size=R)))
-    ctl = AdaptiveController(spec)
+    ctl = AdaptiveController()
     for _ in range(2):
         lengths = ctl.plan(S, list(range(R)), sampling, COST, R, caps=caps)
         assert (lengths >= 0).all() and (lengths <= np.minimum(caps, K)).all()
@@ -238,7 +226,6 @@ def test_capped_requests_do_not_waste_the_budget():
     lengths = ctl.plan(S, [1, 2], [True, True], COST, 2, caps=[0, 3])
     assert lengths[0] == 0
     assert lengths.sum() == best_budget(S, COST.table, COST.draft, caps=[0, 3])[0]
-    assert ctl.metrics.capped_requests == 2
 
 
 def test_placeholders_past_a_cap_do_not_drag_down_next_steps_sizing():
@@ -250,28 +237,6 @@ def test_placeholders_past_a_cap_do_not_drag_down_next_steps_sizing():
     assert ctl.previous_row("a") == pytest.approx([0.9, 0.81, 0.729, 0.6561])
     assert ctl.previous_row("b") == pytest.approx(0.7 ** np.arange(1, 5))  # nothing known: the prior
     assert ctl.prior_row(4)[2:] == pytest.approx((np.array([0.729, 0.6561]) + 0.7 ** np.arange(3, 5)) / 2)
-
-
-def test_fixed_and_off_policies_share_the_interface():
-    S = geometric(3, 4, 0.5)
-    assert AdaptiveController("fixed:3").plan(S, "abc", [True] * 3, COST, 3).tolist() == [3, 3, 3]
-    assert AdaptiveController("fixed:7").plan(S, "abc", [True] * 3, COST, 3).tolist() == [4, 4, 4]
-    assert AdaptiveController("off").plan(S, "abc", [True] * 3, COST, 3).tolist() == [0, 0, 0]
-    ctl = AdaptiveController()
-    assert ctl.plan_fixed(3, 2, caps=[0, 1, 5]).tolist() == [0, 1, 2]
-    assert ctl.plan_off(2).tolist() == [0, 0]
-
-
-@pytest.mark.parametrize("spec, parsed", [("off", ("off", None)), ("adaptive", ("adaptive", None)),
-                                          ("fixed:7", ("fixed", 7)), (" Fixed:0 ", ("fixed", 0))])
-def test_spec_strings(spec, parsed):
-    assert parse_spec(spec) == parsed
-
-
-@pytest.mark.parametrize("spec", ["fixed", "fixed:-1", "fixed:x", "dynamic", ""])
-def test_bad_spec_strings_are_rejected(spec):
-    with pytest.raises(ValueError, match="spec must be"):
-        AdaptiveController(spec)
 
 
 def test_malformed_step_inputs_are_rejected():
@@ -286,22 +251,6 @@ def test_malformed_step_inputs_are_rejected():
         ctl.plan(S, ["a", "b"], [True, True], COST, 2, caps=[1, -1])
     with pytest.raises(ValueError, match=r"\(R, K\)"):
         ctl.plan(S[0], ["a"], [True], COST, 1)
-
-
-# ------------------------------------------------------------------------------------------ metrics
-
-def test_metrics_record_budgets_modes_and_solver_time():
-    ctl = AdaptiveController(metrics_window=2)
-    S = geometric(4, 3, 0.8)
-    ids = list("abcd")
-    verified = sum(ctl.plan(S, ids, sampling, COST, 4).sum() for sampling in ([False] * 4, [True] * 4, [True] * 4))
-    m = ctl.metrics
-    assert m.steps == 3 and m.steps_by_mode["exact"] == 1 and m.steps_by_mode["stale"] == 2
-    assert len(m.budgets) == 2 and len(m.solver_us) == 2  # bounded window
-    assert all(us > 0 for us in m.solver_us)
-    summary = m.summary()
-    assert summary["steps"] == 3 and summary["solver_us_p50"] > 0
-    assert summary["drafts_verified"] == verified and m.requests_planned == 12
 
 
 def test_works_with_a_profiled_cost_table_and_an_empty_batch():

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.runtime.cost_model import (
+from dspark_trt.runtime.costs.table import (
     CostTable,
     isotonic_increasing,
     measurement_points,

@@ -96,7 +96,7 @@ def test_draft_graph_uses_the_dspark_ops_and_no_vocab_sized_outputs(exported):
 
 def test_target_graph_with_aux_outputs_matches_the_decoder(exported, tmp_path):
     from dspark_trt.exporter.dspark_export import export_target_with_aux
-    from dspark_trt.exporter.graphs import TARGET_INPUTS
+    from dspark_trt.manifest import TARGET_INPUTS
     from dspark_trt.models.decoder import PackedBatch, make_packed_index
 
     target, graphs = exported

@@ -33,7 +33,7 @@ def _compare(artifact, rng_seed=0):
     import torch
 
     from dspark_trt.exporter.build_modules import build_steps
-    from dspark_trt.exporter.graphs import TARGET_INPUTS
+    from dspark_trt.manifest import TARGET_INPUTS
 
     manifest = json.loads((artifact / "manifest.json").read_text())
     vocab = manifest["model"]["vocab_size"]
@@ -159,7 +159,7 @@ def test_head_with_draft_stats_exports_and_matches_torch(stats_head_artifact):
     import torch
 
     from dspark_trt.exporter.build_modules import build_steps
-    from dspark_trt.exporter.graphs import DRAFT_INPUTS
+    from dspark_trt.manifest import DRAFT_INPUTS
 
     art = stats_head_artifact
     manifest = json.loads((art / "manifest.json").read_text())

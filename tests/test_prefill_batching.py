@@ -6,7 +6,10 @@ import math
 
 import pytest
 
-from dspark_trt.runtime.prefill_batching import MAX_WAIT, prefill_group_size, prefill_now
+from dspark_trt.runtime.prefill_batching import prefill_group_size, prefill_now
+from dspark_trt.runtime.tuning import RuntimeTuning
+
+MAX_WAIT = RuntimeTuning().prefill_max_wait
 
 
 def _loss(k: int, call_ms: float, arrivals: float, rate: float, tau: float) -> float:

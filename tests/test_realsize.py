@@ -288,8 +288,8 @@ def test_runtime_load_refuses_an_artifact_that_does_not_fit(tiny_artifact, monke
 def test_a_quick_profile_is_replaced_by_its_refined_tables_at_close(tmp_path):
     from types import SimpleNamespace
 
-    from dspark_trt.runtime.cost_model import CostTable
-    from dspark_trt.runtime.profiling import persist_refined, profile_path
+    from dspark_trt.runtime.costs.table import CostTable
+    from dspark_trt.runtime.costs.profiling import persist_refined, profile_path
 
     verify, draft = np.arange(33, dtype=float) * 10.0, np.arange(9, dtype=float)
     rt = SimpleNamespace(artifact_dir=tmp_path, backend=SimpleNamespace(name="ort"),

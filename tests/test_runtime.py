@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime import GenerationConfig, Runtime
+from dspark_trt.runtime.solver import marginal_survival
+from dspark_trt.runtime.tuning import RuntimeTuning
 
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def __init__(self):", "x", "return self.x + 1\n" * 6]
 MODES = ["fixed:1", "fixed:2", "fixed:4", "adaptive"]
@@ -162,18 +165,24 @@ def test_online_recalibration_rescues_an_underconfident_draft(tiny_artifact):
     assert [o.token_ids for o in out[True]] == [o.token_ids for o in out[False]]
 
 
+def _depths(rt, n_adaptive, n_decode, steps):
+    """The draft-depth planner's depth over `steps` steps of this batch shape (past 0)."""
+    cost = rt.costs.for_step(n_decode, 0)
+    return [rt.depth_planner.plan_for(n_adaptive, n_decode, cost).steps for _ in range(steps)]
+
+
 def test_when_drafting_does_not_pay_only_a_few_requests_probe_now_and_then(tiny_artifact):
-    from dspark_trt.runtime import runtime as runtime_mod
-    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.costs.table import CostTable
     from dspark_trt.runtime.request import Request
 
     rt = Runtime.load(tiny_artifact, profile="none")
+    t = rt.tuning
     try:
         # Draft calls cost 1000x a verified token: no draft depth pays.
         rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.full(9, 1e4) * (np.arange(9) > 0))
-        plan = [rt._plan_draft_steps(8, 8) for _ in range(4 * runtime_mod.PROBE_EVERY)]
-        assert sum(plan) == 4 and set(plan) == {0, 1}  # one probe step in PROBE_EVERY, never cached
-        assert plan[runtime_mod.PROBE_EVERY - 1] == 1 and plan[runtime_mod.PROBE_EVERY] == 0
+        plan = _depths(rt, 8, 8, 4 * t.probe_every)
+        assert sum(plan) == 4 and set(plan) == {0, 1}  # one probe step in probe_every, never cached
+        assert plan[t.probe_every - 1] == 1 and plan[t.probe_every] == 0
         from dspark_trt.runtime.config import parse_spec
 
         reqs = [Request(i, [1, 2, 3], GenerationConfig(spec="adaptive"), parse_spec("adaptive", 4), 4)
@@ -181,8 +190,8 @@ def test_when_drafting_does_not_pay_only_a_few_requests_probe_now_and_then(tiny_
         fixed = Request(99, [1], GenerationConfig(spec="fixed:2"), parse_spec("fixed:2", 4), 4)
         seen = set()
         for _ in range(2):
-            chosen = rt._probe_subset(reqs + [fixed])
-            assert fixed in chosen and len(chosen) == runtime_mod.PROBE_REQUESTS + 1
+            chosen = rt.drafter.probe_subset(reqs + [fixed])
+            assert fixed in chosen and len(chosen) == t.probe_requests + 1
             seen |= {r.id for r in chosen if r is not fixed}
         assert seen == set(range(8))  # requests take turns
     finally:
@@ -190,19 +199,19 @@ def test_when_drafting_does_not_pay_only_a_few_requests_probe_now_and_then(tiny_
 
 
 def test_the_draft_depth_plan_is_redone_every_plan_every_steps(tiny_artifact):
-    # A plan is cached per batch shape for PLAN_EVERY steps, then made again from the current profile
+    # A plan is cached per batch shape for plan_every steps, then made again from the current profile
     # and costs (it was once kept for good: the refresh test read the wrong field of the cache entry).
-    from dspark_trt.runtime import runtime as runtime_mod
-    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.costs.table import CostTable
 
     rt = Runtime.load(tiny_artifact, profile="none")
+    every = rt.tuning.plan_every
     try:
         rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.arange(9, dtype=float) * 0.01)
-        first = rt._plan_draft_steps(1, 1)
+        first = _depths(rt, 1, 1, 1)[0]
         assert first > 0  # drafts nearly free: drafting pays
         rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.full(9, 1e4) * (np.arange(9) > 0))
-        plans = [rt._plan_draft_steps(1, 1) for _ in range(runtime_mod.PLAN_EVERY)]
-        assert plans[:-1] == [first] * (runtime_mod.PLAN_EVERY - 1)  # cached in between
+        plans = _depths(rt, 1, 1, every)
+        assert plans[:-1] == [first] * (every - 1)  # cached in between
         assert plans[-1] == 0  # re-planned: drafts now cost 1000x a token
     finally:
         rt.close()
@@ -210,8 +219,8 @@ def test_the_draft_depth_plan_is_redone_every_plan_every_steps(tiny_artifact):
 
 def _shape_cost_table(coef):
     """A cost table whose call-shape model has these coefficients (call_shape.FEATURES)."""
-    from dspark_trt.runtime.call_shape import features
-    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.costs.call_shape import features
+    from dspark_trt.runtime.costs.table import CostTable
 
     shapes = [(n * r, r, n, p) for r in (1, 2, 8) for n in (1, 4, 16) for p in (8, 64)]
     pts = [[*s, float(features(*s) @ np.asarray(coef, dtype=float))] for s in shapes]
@@ -250,15 +259,12 @@ def test_arriving_prompts_wait_to_share_a_prefill_call_when_calls_are_dear(tiny_
     """Four slots, twelve requests of different lengths, so prompts keep arriving while others decode.
     With calls dear (a large fixed cost) and padding dearer, arriving prompts wait (at most MAX_WAIT
     steps) and are prefilled together: fewer prefill calls, the same outputs."""
-    from dspark_trt.runtime import runtime as runtime_mod
-    from dspark_trt.runtime.prefill_batching import MAX_WAIT
-
     prompts = [PROMPTS[i % len(PROMPTS)] + " " * (i // len(PROMPTS)) for i in range(12)]
     cfgs = [GenerationConfig(max_new_tokens=4 + 3 * (i % 5), spec="fixed:2") for i in range(12)]
     out, held, prefill_calls = {}, {}, {}
     for batching in (True, False):
-        rt = Runtime.load(tiny_artifact, profile="none", max_batch=4)
-        runtime_mod.PREFILL_BATCHING = batching
+        rt = Runtime.load(tiny_artifact, profile="none", max_batch=4,
+                          tuning=replace(RuntimeTuning(), prefill_batching=batching))
         try:
             rt.cost = _shape_cost_table([500.0, 0.01, 0.0, 1e4])
             out[batching] = [r.token_ids for r in rt.generate(prompts, cfgs)]
@@ -266,48 +272,45 @@ def test_arriving_prompts_wait_to_share_a_prefill_call_when_calls_are_dear(tiny_
             held[batching] = [s["prompts_held"] for s in log]
             prefill_calls[batching] = sum(1 for s in log if s["prefill_tokens"])
         finally:
-            runtime_mod.PREFILL_BATCHING = True
             rt.close()
     assert out[True] == out[False]
     assert max(held[True]) >= 1 and max(held[False]) == 0
     assert prefill_calls[True] < prefill_calls[False]
-    # no prompt waited longer than MAX_WAIT steps: a run of holding steps is at most that long
+    # no prompt waited longer than prefill_max_wait steps: a run of holding steps is at most that long
     runs, n = [], 0
     for h in held[True]:
         n = n + 1 if h else 0
         runs.append(n)
-    assert max(runs) <= MAX_WAIT
+    assert max(runs) <= RuntimeTuning().prefill_max_wait
 
 
 def test_step_overhead_is_read_at_the_load_it_was_measured_at(tiny_artifact):
     """The time outside the engines is mostly per-request work: a figure learned at 64 decode requests
     must not price drafting at 4 when 4 has a figure of its own; without one, the nearest load's."""
-    rt = Runtime.load(tiny_artifact, profile="none")
-    try:
-        assert rt._overhead_ms("spec", 4) == 0.0  # nothing measured yet
-        rt._overhead.update({("spec", 6): 9.0, ("plain", 6): 3.0, ("plain", 2): 0.5})
-        assert rt._overhead_ms("spec", 64) == 9.0 and rt._overhead_ms("plain", 64) == 3.0
-        assert rt._overhead_ms("plain", 4) == 0.5
-        assert rt._overhead_ms("spec", 4) == 9.0  # no spec figure near 4 yet: the nearest spec one
-        rt._overhead[("spec", 2)] = 1.5
-        assert rt._overhead_ms("spec", 4) == 1.5 and rt._overhead_ms("spec", 5) == 1.5
-        assert rt._overhead_ms("spec", 48) == 9.0
-    finally:
-        rt.close()
+    from dspark_trt.runtime.costs.overhead import OverheadByLoad
+
+    overhead = OverheadByLoad(alpha=1.0)  # each observation replaces the figure: the test sets them
+    assert overhead("spec", 4) == 0.0  # nothing measured yet
+    for kind, n, ms in (("spec", 64, 9.0), ("plain", 64, 3.0), ("plain", 4, 0.5)):
+        overhead.observe(kind, n, ms)
+    assert overhead("spec", 64) == 9.0 and overhead("plain", 64) == 3.0
+    assert overhead("plain", 4) == 0.5
+    assert overhead("spec", 4) == 9.0  # no spec figure near 4 yet: the nearest spec one
+    overhead.observe("spec", 4, 1.5)
+    assert overhead("spec", 4) == 1.5 and overhead("spec", 5) == 1.5
+    assert overhead("spec", 48) == 9.0
 
 
 def test_every_observed_draft_call_is_fed_to_the_draft_drift_after_the_steps_drafting(tiny_artifact):
     """Each feed rebuilds the corrected draft table that the draft loop reads between calls, so a step's
     draft timings are fed once its drafting is done; none is lost."""
-    from dspark_trt.runtime import runtime as runtime_mod
-
     rt = Runtime.load(tiny_artifact, backend="ort")
     events = []
-    run_draft, observe_draft = rt._run_draft, rt.cost.observe_draft
+    run_draft, observe_draft = rt.drafter.run_draft, rt.cost.observe_draft
 
     def traced_run(reqs, *args, observe=True):
         out = run_draft(reqs, *args, observe=observe)
-        if observe and rt.metrics.steps % runtime_mod.OBSERVE_EVERY == 0:
+        if observe and rt.metrics.steps % rt.tuning.cost_observe_every == 0:
             events.append(("call", rt.metrics.steps, len(reqs)))
         return out
 
@@ -315,7 +318,7 @@ def test_every_observed_draft_call_is_fed_to_the_draft_drift_after_the_steps_dra
         events.append(("feed", rt.metrics.steps, batch))
         return observe_draft(batch, ms)
 
-    rt._run_draft, rt.cost.observe_draft = traced_run, traced_observe
+    rt.drafter.run_draft, rt.cost.observe_draft = traced_run, traced_observe
     try:
         before = rt.cost.drift()["draft"]["observations"]
         rt.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, spec="fixed:3"))
@@ -331,21 +334,21 @@ def test_every_observed_draft_call_is_fed_to_the_draft_drift_after_the_steps_dra
 
 
 def test_the_guard_runs_no_plain_trials_where_the_model_is_sure_drafting_pays(tiny_artifact):
-    """Trials of plain decoding cost output; where the model says drafting wins by more than GUARD_SURE
+    """Trials of plain decoding cost output; where the model says drafting wins by more than guard_sure
     (low load) the measured guard is not consulted. Near a tie it is."""
-    from dspark_trt.runtime import runtime as runtime_mod
-    from dspark_trt.runtime import spec_guard
-    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.costs.table import CostTable
 
-    steps = 3 * spec_guard.FIRST + spec_guard.TRIAL_LEN  # long enough for the guard's first trial
+    t = RuntimeTuning()
+    first = t.guard.first
+    steps = 3 * first + t.guard.trial_len  # long enough for the guard's first trial
     verify = np.full(64, 10.0) * (np.arange(64) > 0)  # a verify call costs 10 ms whatever it verifies
     for draft_ms, sure in ((0.01, True), (5.45, False)):  # prior 0.7^k: drafting 1 wins ~3x, or ~1.1x
         rt = Runtime.load(tiny_artifact, profile="none")
         try:
             rt.cost = CostTable(verify, np.full(9, draft_ms) * (np.arange(9) > 0))
-            plan = [rt._plan_draft_steps(8, 8) for _ in range(steps)]
-            assert (rt._spec_vs_plain > 1 + runtime_mod.GUARD_SURE) == sure
-            assert min(plan[:spec_guard.FIRST]) > 0  # the model's choice: draft
+            plan = _depths(rt, 8, 8, steps)
+            assert (rt.depth_planner.spec_vs_plain > 1 + t.guard_sure) == sure
+            assert min(plan[:first]) > 0  # the model's choice: draft
             assert (min(plan) > 0) == sure  # near the tie the guard's trial ran plain steps
             assert bool(rt.spec_guard.report()) != sure  # it was consulted only there
         finally:
@@ -356,29 +359,44 @@ def test_a_switch_into_drafting_is_charged_to_neither_the_guard_nor_the_step_ove
     """After steps without drafting, the draft catches up on everything it skipped. That is the price of
     switching, paid once, not of drafting: the guard's rate and the step overhead the planner charges to
     drafting leave it out (an 8-step trial would otherwise weigh it as if it recurred every 8 steps)."""
-    from dspark_trt.runtime import runtime as runtime_mod
+    import time
+
+    from dspark_trt.runtime.phases.depth_planner import DepthPlan
 
     rt = Runtime.load(tiny_artifact, profile="none", max_batch=4)
     try:
         script = iter([0] * 6 + [2] * 100)
 
-        def planner(n_adaptive, n_decode):
+        def planner(batch, cost):
             steps = next(script)
-            rt._arm = "spec" if steps else "plain"
-            rt.spec_guard.arm(n_decode, rt._arm)  # keep the guard's own record of the arm in step
-            return steps
+            arm = "spec" if steps else "plain"
+            rt.spec_guard.arm(len(batch.decode), arm)  # keep the guard's own record of the arm in step
+            return DepthPlan(steps, arm)
 
-        rt._plan_draft_steps = planner
-        fed, steps = [], []
-        record = rt.spec_guard.record
-        rt.spec_guard.record = lambda nd, arm, tokens, ms: (fed.append((arm, ms, rt._switch_ms)),
+        rt.depth_planner.plan = planner
+        fed, steps, priced = [], [], []
+        record, draft, verify = rt.spec_guard.record, rt.drafter.draft, rt.verifier.run
+        rounds = []
+
+        def traced_draft(*args):
+            rounds.append(draft(*args))
+            return rounds[-1]
+
+        def traced_verify(*args):
+            out = verify(*args)
+            priced.append(rounds[-1].priced_ms + (out.priced_ms if out is not None else 0.0))
+            return out
+
+        rt.drafter.draft, rt.verifier.run = traced_draft, traced_verify
+        rt.spec_guard.record = lambda nd, arm, tokens, ms: (fed.append((arm, ms, rounds[-1].switch_ms)),
                                                             record(nd, arm, tokens, ms))
         step = rt.step
 
         def timed_step():
-            t = runtime_mod.time.perf_counter()
+            t = time.perf_counter()
             out = step()
-            steps.append(((runtime_mod.time.perf_counter() - t) * 1e3, rt._switch_ms, rt._priced_ms, dict(rt._overhead)))
+            steps.append(((time.perf_counter() - t) * 1e3, rounds[-1].switch_ms if rounds else 0.0,
+                          priced[-1] if priced else 0.0, dict(rt.costs.overhead.ms)))
             return out
 
         rt.step = timed_step
@@ -404,9 +422,9 @@ def test_the_break_even_survival_shares_a_layers_padding_jump_across_the_layer()
     table = 10.0 + per_token * t + jump * np.ceil(np.maximum(t - rows, 0) / rows)
     table[0] = 0.0
     rate = (rows + 6.0) / (2.0 + table[2 * rows])  # 8 emitted + 6 expected accepted, 2 ms drafting
-    theta = Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=rows)
+    theta = marginal_survival(rows, 6.0, rows, table, 2.0, span=rows)
     assert theta == pytest.approx(rate * (jump + rows * per_token) / rows)
-    assert theta < 0.7 < 1.0 < Runtime._marginal_survival(rows, 6.0, rows, table, 2.0, span=4)
+    assert theta < 0.7 < 1.0 < marginal_survival(rows, 6.0, rows, table, 2.0, span=4)
 
 
 def test_a_sampled_requests_drafts_never_decide_whether_other_requests_draft_on(tiny_artifact):
@@ -416,25 +434,25 @@ def test_a_sampled_requests_drafts_never_decide_whether_other_requests_draft_on(
     per-request test (a stopping rule on the request's own drafts) decides; greedy batches keep it."""
     from types import SimpleNamespace
 
-    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.costs.table import CostTable
 
     rt = Runtime.load(tiny_artifact)
     try:
         seen = []
-        keep = rt._keep_drafting
-        rt._keep_drafting = lambda reqs, corr, k, test_call=True: (seen.append(test_call),
-                                                                    keep(reqs, corr, k, test_call))[1]
+        keep = rt.drafter.keep_drafting
+        rt.drafter.keep_drafting = lambda reqs, corr, k, test_call=True: (seen.append(test_call),
+                                                                           keep(reqs, corr, k, test_call))[1]
         rt.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, spec="adaptive", temperature=0.8, seed=1))
         assert seen and not any(seen)
         seen.clear()
         rt.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, spec="adaptive"))
         assert seen and all(seen)
         # and the per-request test alone keeps a request whose next draft clears the break-even
-        rt._keep_drafting = keep
+        rt.drafter.keep_drafting = keep
         rt.cost = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(9, 1.0) * (np.arange(9) > 0))
         rt.controller.reset()  # the default prior profile: the next draft's conditional acceptance is 0.7
-        rt.admit_threshold = 0.1
-        rt._rate = 1e6  # any call is dear at this rate
+        rt.costs.break_even = 0.1
+        rt.costs.rate = 1e6  # any call is dear at this rate
         reqs = [SimpleNamespace(id=0)]
         assert keep(reqs, {0: [0.9]}, 1, test_call=True) == set()
         assert keep(reqs, {0: [0.9]}, 1, test_call=False) == {0}

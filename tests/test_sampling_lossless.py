@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dspark_trt.runtime import GenerationConfig, Runtime
-from dspark_trt.runtime.cost_model import CostTable
+from dspark_trt.runtime.costs.table import CostTable
 
 N_SAMPLES = 2400
 TEMPERATURE = 0.7

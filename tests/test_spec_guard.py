@@ -1,7 +1,9 @@
 """The measured guard on speculating at all: a spec for SpecGuard (pure python, simulated rates)."""
 
-from dspark_trt.runtime import spec_guard
 from dspark_trt.runtime.spec_guard import SpecGuard
+from dspark_trt.runtime.tuning import GuardTuning
+
+DEFAULTS = GuardTuning()
 
 
 def run(guard, rates, steps, n_decode=32, model="spec"):
@@ -17,7 +19,7 @@ def run(guard, rates, steps, n_decode=32, model="spec"):
 
 def test_when_plain_is_faster_the_guard_mostly_runs_plain():
     arms = run(SpecGuard(), {"spec": 1.0, "plain": 1.7}, 2000)
-    assert arms[: spec_guard.FIRST] == ["spec"] * spec_guard.FIRST  # starts with the model's choice
+    assert arms[: DEFAULTS.first] == ["spec"] * DEFAULTS.first  # starts with the model's choice
     assert arms[-500:].count("plain") > 480  # then trials of spec are rare
     assert arms.count("spec") < 100
 
@@ -64,7 +66,7 @@ def test_near_a_tie_the_guard_stays_on_its_arm_while_the_model_flips():
 
 def test_where_the_model_would_not_draft_but_drafting_is_faster_the_guard_drafts():
     arms = run(SpecGuard(), {"spec": 1.3, "plain": 1.0}, 2000, model="plain")
-    assert arms[: spec_guard.FIRST] == ["plain"] * spec_guard.FIRST  # follows the model until measured
+    assert arms[: DEFAULTS.first] == ["plain"] * DEFAULTS.first  # follows the model until measured
     assert arms[-500:].count("spec") > 470  # trials of plain every ~230 steps (loss budget)
 
 
@@ -95,5 +97,5 @@ def test_rates_are_ratios_of_sums():
     g = SpecGuard()
     for tokens, ms in ((1, 10.0), (10, 10.0)):  # per-step rates 0.1 and 1.0 per ms
         g.record(4, g.arm(4), tokens, ms)
-    d = 1 - spec_guard.ALPHA
+    d = 1 - DEFAULTS.alpha
     assert abs(g.report()[4]["spec_tok_per_ms"] - (10 + d * 1) / (10 + d * 10)) < 1e-12

@@ -36,7 +36,7 @@ __all__ = ["as_cost_fn", "draft_batches", "draft_cost", "step_costs", "oracle_go
 def as_cost_fn(cost) -> Callable[[int], float]:
     """A cost table as a function of size. ``cost`` is a callable ``size -> ms`` or an array indexed by
     size (index 0 = 0 ms); sizes beyond the array are extrapolated linearly from its last two entries
-    (as :class:`dspark_trt.runtime.cost_model.CostTable` does)."""
+    (as :class:`dspark_trt.runtime.costs.table.CostTable` does)."""
     if callable(cost):
         return lambda n: float(cost(int(n))) if n > 0 else 0.0
     table = np.asarray(cost, dtype=np.float64)

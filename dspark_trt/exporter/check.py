@@ -16,9 +16,9 @@ from typing import Iterator
 from dspark_trt.errors import DsparkError
 from dspark_trt.exporter.trt_support import TrtSupport, onnx_dtype_name, support_for, version_at_least
 from dspark_trt.manifest import GRAPHS, MANIFEST_NAME, Manifest
+from dspark_trt.plugins.spec import DOMAIN as DSPARK_DOMAIN
+from dspark_trt.plugins.spec import PLUGIN_NAMESPACE
 
-DSPARK_DOMAIN = "dspark"
-PLUGIN_NAMESPACE = "dspark"
 STANDARD_DOMAINS = ("", "ai.onnx")
 AOT_PLUGIN_MIN_TRT = "10.9"
 DEFAULT_GRAPH_FILES = {g: f"{g}.onnx" for g in GRAPHS}

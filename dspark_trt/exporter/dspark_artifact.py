@@ -13,7 +13,6 @@ is ``if is_dspark_dir(draft_dir): return export_dspark_artifact(...)`` at the to
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,9 +26,9 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                            overwrite: bool = False) -> Path:
     from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
                                                    export_target_with_aux)
-    from dspark_trt.exporter.export import _io, _versions, plan_dims
+    from dspark_trt.exporter.export import _io, plan_dims
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
-    from dspark_trt.manifest import now_iso, sha256_file
+    from dspark_trt.manifest import Manifest
     from dspark_trt.models.checkpoint import load_decoder
     from dspark_trt.models.dspark_drafter import load_dspark_drafter
 
@@ -58,28 +57,23 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
             shutil.copyfile(target_dir / name, tmp / name)
         dims, limits = plan_dims(max_batch, n, max_context)
         tc, lc = target.config, cfg.layers
-        manifest = {
-            "format": "dspark-trt-artifact", "format_version": 1, "tools": _versions(),
-            "created": now_iso(),
-            "model": {"arch": tc.model_type, "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
-                      "num_layers": tc.num_hidden_layers, "num_kv_heads": tc.num_key_value_heads,
-                      "head_dim": tc.head_dim, "dtype": "fp32", "max_context": max_context},
-            "draft": {"arch": lc.model_type, "hidden_size": lc.hidden_size, "num_layers": lc.num_hidden_layers,
-                      "num_kv_heads": lc.num_key_value_heads, "head_dim": lc.head_dim, "max_draft": n,
-                      "confidence": "head" if drafter.confidence_head is not None else "fallback",
-                      "temperatures": [1.0] * n, "kind": "dspark", "dspark": cfg.summary()},
-            "limits": limits, "dims": dims,
-            "tokenizer": tokenizer,
-            "sources": {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None},
-            "graphs": {"draft": {"file": DRAFT_FILE, **_io(tmp / DRAFT_FILE)},
-                       "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
-                       "draft_sample": {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
-                       CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}},
-            "files": {},
-        }
+        manifest = Manifest.create(
+            model={"arch": tc.model_type, "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
+                   "num_layers": tc.num_hidden_layers, "num_kv_heads": tc.num_key_value_heads,
+                   "head_dim": tc.head_dim, "dtype": "fp32", "max_context": max_context},
+            draft={"arch": lc.model_type, "hidden_size": lc.hidden_size, "num_layers": lc.num_hidden_layers,
+                   "num_kv_heads": lc.num_key_value_heads, "head_dim": lc.head_dim, "max_draft": n,
+                   "confidence": "head" if drafter.confidence_head is not None else "fallback",
+                   "temperatures": [1.0] * n, "kind": "dspark", "dspark": cfg.summary()},
+            limits=limits, dims=dims, tokenizer=tokenizer,
+            graphs={"draft": {"file": DRAFT_FILE, **_io(tmp / DRAFT_FILE)},
+                    "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
+                    "draft_sample": {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
+                    CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}})
+        manifest["sources"] = {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None}
         for name in (DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, CONTEXT_FILE, *tokenizer["files"]):
-            manifest["files"][name] = {"sha256": sha256_file(tmp / name), "bytes": (tmp / name).stat().st_size}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            manifest.record_file(tmp, name)
+        manifest.save(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         tmp.rename(out_dir)

@@ -195,7 +195,7 @@ class DsparkTargetStep(nn.Module):
 def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int) -> Path:
     """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export)."""
     from dspark_trt.exporter import onnx_export as ox
-    from dspark_trt.exporter.graphs import TARGET_INPUTS, TARGET_OUTPUTS, kv_names
+    from dspark_trt.manifest import TARGET_INPUTS, TARGET_OUTPUTS, kv_names
 
     step = DsparkTargetStep(decoder.float().eval(), aux_layers)
     ex = ox._packed_examples(num_slots)

@@ -2,30 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import shutil
-from datetime import datetime, timezone
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.exporter.draft_check import check_draft_cheaper
+from dspark_trt.manifest import Manifest
 from dspark_trt.outputs import Staging, check_out_dir, replace_dir
-
-DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-# Tokenizer files copied from the target next to tokenizer.json when present (the server reads its chat
-# template from them), hashed in the manifest like every other file.
-
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {}
-    for pkg in ("dspark-trt", "torch", "onnx", "onnxscript", "onnxruntime"):
-        try:
-            out[pkg.replace("-", "_")] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg.replace("-", "_")] = None
-    return out
 
 
 def plan_dims(max_batch: int, max_draft: int, max_context: int) -> tuple[dict, dict]:
@@ -47,45 +30,40 @@ def plan_dims(max_batch: int, max_draft: int, max_context: int) -> tuple[dict, d
 def _io(model_path: Path) -> dict:
     import onnx
 
+    from dspark_trt.exporter.trt_support import onnx_dtype_name
+
     m = onnx.load(str(model_path), load_external_data=False)
-    elem = {onnx.TensorProto.INT64: "int64", onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-            onnx.TensorProto.BFLOAT16: "bfloat16", onnx.TensorProto.INT32: "int32", onnx.TensorProto.BOOL: "bool"}
 
     def desc(v):
         t = v.type.tensor_type
-        return {"name": v.name, "dtype": elem.get(t.elem_type, str(t.elem_type)),
+        return {"name": v.name, "dtype": onnx_dtype_name(t.elem_type),
                 "shape": [d.dim_param if d.dim_param else d.dim_value for d in t.shape.dim]}
 
     return {"inputs": [desc(v) for v in m.graph.input], "outputs": [desc(v) for v in m.graph.output]}
 
 
 def manifest_facts(target_dir, draft_dir, head_dir, temperatures, max_draft: int, max_batch: int,
-                   max_context: int, dtype: str) -> dict:
-    """Everything the manifest says about the models and limits (not about files)."""
+                   max_context: int, dtype: str, graphs: dict | None = None) -> Manifest:
+    """The manifest of an export: the models, limits and dims (graphs and files are added by export)."""
     from dspark_trt.models.config import load_config
 
     tcfg, dcfg = load_config(target_dir), load_config(draft_dir)
     dims, limits = plan_dims(max_batch, max_draft, max_context)
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
 
-    return {
-        "format": "dspark-trt-artifact", "format_version": 1,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "tools": _versions(),
-        "model": {"arch": tcfg.model_type, "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,
-                  "num_layers": tcfg.num_hidden_layers, "num_kv_heads": tcfg.num_key_value_heads,
-                  "head_dim": tcfg.head_dim, "dtype": dtype, "max_context": max_context,
-                  "num_attention_heads": tcfg.num_attention_heads, "intermediate_size": tcfg.intermediate_size},
-        "draft": {"arch": dcfg.model_type, "hidden_size": dcfg.hidden_size, "num_layers": dcfg.num_hidden_layers,
-                  "num_kv_heads": dcfg.num_key_value_heads, "head_dim": dcfg.head_dim, "max_draft": max_draft,
-                  "confidence": "head" if head_dir is not None else "fallback",
-                  "temperatures": [float(t) for t in temperatures]},
-        "limits": limits,
-        "dims": dims,
-        "tokenizer": tokenizer_facts(target_dir),
-        "sources": {"target": str(Path(target_dir).resolve()), "draft": str(Path(draft_dir).resolve()),
-                    "head": str(Path(head_dir).resolve()) if head_dir is not None else None},
-    }
+    m = Manifest.create(
+        model={"arch": tcfg.model_type, "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,
+               "num_layers": tcfg.num_hidden_layers, "num_kv_heads": tcfg.num_key_value_heads,
+               "head_dim": tcfg.head_dim, "dtype": dtype, "max_context": max_context,
+               "num_attention_heads": tcfg.num_attention_heads, "intermediate_size": tcfg.intermediate_size},
+        draft={"arch": dcfg.model_type, "hidden_size": dcfg.hidden_size, "num_layers": dcfg.num_hidden_layers,
+               "num_kv_heads": dcfg.num_key_value_heads, "head_dim": dcfg.head_dim, "max_draft": max_draft,
+               "confidence": "head" if head_dir is not None else "fallback",
+               "temperatures": [float(t) for t in temperatures]},
+        limits=limits, dims=dims, graphs=graphs or {}, tokenizer=tokenizer_facts(target_dir))
+    m["sources"] = {"target": str(Path(target_dir).resolve()), "draft": str(Path(draft_dir).resolve()),
+                    "head": str(Path(head_dir).resolve()) if head_dir is not None else None}
+    return m
 
 
 def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: int = 7, max_batch: int = 64,
@@ -150,19 +128,16 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         del target_step
         bar.update()
         bar.set_postfix_str("manifest")
+        graphs = {"draft": {"file": "draft.onnx", **_io(tmp / "draft.onnx")},
+                  "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, temperatures,
-                                  max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype)
-        manifest["graphs"] = {"draft": {"file": "draft.onnx", **_io(tmp / "draft.onnx")},
-                              "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
-        manifest["files"] = {}
-        from dspark_trt.manifest import sha256_file
-
+                                  max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype,
+                                  graphs=graphs)
         for name in manifest["tokenizer"]["files"]:
             shutil.copyfile(target_dir / name, tmp / name)
         for name in written + manifest["tokenizer"]["files"]:
-            p = tmp / name
-            manifest["files"][name] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+            manifest.record_file(tmp, name)
+        manifest.save(tmp)
         bar.update()
         replace_dir(tmp, out_dir)
         bar.update()

@@ -13,20 +13,9 @@ from torch import nn
 
 from dspark_trt.models.confidence_head import ConfidenceHead, draft_stats
 from dspark_trt.models.decoder import Decoder, PackedBatch
+from dspark_trt.plugins.spec import PLUGIN_NAMESPACE
 
-PACKED_INPUTS = ["tokens", "positions", "pack_index", "unpack_index", "query_lens", "past_lens", "slot_ids"]
-DRAFT_INPUTS = PACKED_INPUTS + ["temperature", "uniforms", "prev_survival", "draft_position"]
-DRAFT_OUTPUTS = ["draft_token", "draft_probs", "survival", "confidence_logit"]
-TARGET_INPUTS = PACKED_INPUTS + ["verify_index", "verify_lens", "draft_tokens", "draft_probs", "temperature",
-                                 "accept_uniforms", "sample_uniforms"]
-TARGET_OUTPUTS = ["accepted", "next_token"]
 FALLBACK_CLAMP = 1e-6
-
-
-def kv_names(num_layers: int, prefix: str) -> list[str]:
-    if prefix == "past":
-        return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
-    return [f"present.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -36,7 +25,7 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def call_op(name: str, inputs: list, attrs: dict, out_dtypes: list, out_shapes: list):
     """A dspark op: one custom ONNX node under export, the numpy reference in eager mode."""
     if torch.onnx.is_in_onnx_export():
-        attrs = dict(attrs, plugin_namespace="dspark")
+        attrs = dict(attrs, plugin_namespace=PLUGIN_NAMESPACE)
         if len(out_dtypes) == 1:
             return (torch.onnx.ops.symbolic(f"dspark::{name}", inputs, attrs=attrs, dtype=out_dtypes[0],
                                             shape=out_shapes[0], version=1),)

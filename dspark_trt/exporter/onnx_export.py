@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_trt.exporter.graphs import (DRAFT_INPUTS, DRAFT_OUTPUTS, TARGET_INPUTS, TARGET_OUTPUTS, DraftStep,
-                                        TargetStep, kv_names)
+from dspark_trt.exporter.graphs import DraftStep, TargetStep
+from dspark_trt.manifest import DRAFT_INPUTS, DRAFT_OUTPUTS, TARGET_INPUTS, TARGET_OUTPUTS, kv_names
 
 # Example sizes used for tracing; all distinct and >= 2 so no dim is specialised or aliased.
 EX_QUERY_LENS = [4, 1, 2]  # R = 3, Lq = 4, N = 7

@@ -2,5 +2,6 @@
 
 from dspark_trt.runtime.config import GenerationConfig
 from dspark_trt.runtime.runtime import GenerationResult, QueueFullError, Runtime
+from dspark_trt.runtime.tuning import RuntimeTuning
 
-__all__ = ["GenerationConfig", "GenerationResult", "QueueFullError", "Runtime"]
+__all__ = ["GenerationConfig", "GenerationResult", "QueueFullError", "Runtime", "RuntimeTuning"]

@@ -1,11 +1,10 @@
 """The thin stateful wrapper around the budget solver that the runtime calls once per step.
 
-``AdaptiveController(spec).plan(live_survival, request_ids, sampling_mask, cost, draft_batch)`` returns
-the verify length of every running request. Policies, matching ``GenerationConfig.spec``:
-
-- ``"off"``: verify nothing (plain decoding).
-- ``"fixed:K"``: verify min(K, drafted, cap) drafts per request.
-- ``"adaptive"``: the budget solver (:mod:`dspark_trt.runtime.solver`) on the profiled cost curve.
+``AdaptiveController().plan(live_survival, request_ids, sampling_mask, cost, draft_batch)`` returns the
+verify length of every adaptive request: the budget solver (:mod:`dspark_trt.runtime.solver`) on the
+step's cost curve. (Fixed-K and off requests need no controller: the verify planner gives them what
+they drafted, up to K.) Call order: ``plan`` once per step; ``prior_row`` / ``conditional_acceptance``
+read the running survival profile between steps; ``reset`` forgets it.
 
 Adaptive and lossless
 ---------------------
@@ -38,23 +37,19 @@ continues the row's last per-position ratio there instead (a cap-0 row is replac
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Hashable, Protocol, Sequence
 
 import numpy as np
 
-from dspark_trt.errors import DsparkError
-from dspark_trt.runtime.config import spec_syntax
 from dspark_trt.runtime.solver import (SMALL_SLOTS, _best, _lengths, _survival, best_budget, rows_valid,
                                        solve_budget_for_b, solve_small)
+from dspark_trt.runtime.tuning import RuntimeTuning
 
-__all__ = ["AdaptiveController", "ControllerMetrics", "CostModel", "parse_spec"]
+__all__ = ["AdaptiveController", "CostModel"]
 
 #: Survival profile used for new requests before any step has been seen: S_k = 0.7^k (first draft
 #: token accepted ~70% of the time, the seventh <10%, in line with vLLM's reported per-position rates).
-DEFAULT_PRIOR_ACCEPTANCE = 0.7
+DEFAULT_PRIOR_ACCEPTANCE = RuntimeTuning.prior_acceptance
 
 
 class CostModel(Protocol):
@@ -65,62 +60,9 @@ class CostModel(Protocol):
     def draft_ms(self, batch: int) -> float: ...
 
 
-def parse_spec(spec: str) -> tuple[str, int | None]:
-    """``"off"`` | ``"fixed:K"`` | ``"adaptive"`` -> (policy, K or None) (syntax: config.spec_syntax)."""
-    try:
-        mode = spec_syntax(spec)
-    except DsparkError:
-        raise ValueError(f"spec must be 'off', 'fixed:K' (K >= 0) or 'adaptive'; got {spec!r}") from None
-    return mode.kind, mode.k if mode.kind == "fixed" else None
-
-
-@dataclass
-class ControllerMetrics:
-    """Per-step metrics; the per-step series are bounded (the last ``window`` steps)."""
-
-    window: int = 4096
-    steps: int = 0
-    steps_by_mode: dict = field(default_factory=lambda: {"exact": 0, "stale": 0, "fixed": 0, "off": 0})
-    requests_planned: int = 0
-    drafts_verified: int = 0
-    prior_rows: int = 0  # sampling requests sized from the prior (no previous row)
-    capped_requests: int = 0  # requests whose cap was below the drafted length
-    budgets: deque = field(init=False)  # chosen budget B per step
-    solver_us: deque = field(init=False)  # planning time per step (sizing + solve + allocation), microseconds
-
-    def __post_init__(self):
-        self.budgets = deque(maxlen=self.window)
-        self.solver_us = deque(maxlen=self.window)
-
-    def record(self, mode: str, lengths: np.ndarray, elapsed_ns: int, capped: int = 0, prior: int = 0) -> None:
-        self.steps += 1
-        self.steps_by_mode[mode] += 1
-        self.requests_planned += int(lengths.size)
-        b = int(lengths.sum())
-        self.drafts_verified += b
-        self.capped_requests += capped
-        self.prior_rows += prior
-        self.budgets.append(b)
-        self.solver_us.append(elapsed_ns / 1e3)
-
-    def summary(self) -> dict:
-        us = np.asarray(self.solver_us, dtype=np.float64)
-        return {
-            "steps": self.steps,
-            "steps_by_mode": dict(self.steps_by_mode),
-            "drafts_verified": self.drafts_verified,
-            "mean_budget": float(np.mean(self.budgets)) if self.budgets else 0.0,
-            "solver_us_p50": float(np.percentile(us, 50)) if us.size else 0.0,
-            "solver_us_p99": float(np.percentile(us, 99)) if us.size else 0.0,
-            "prior_rows": self.prior_rows,
-            "capped_requests": self.capped_requests,
-        }
-
-
 class AdaptiveController:
-    """Plans verify lengths each step; keeps the stale survivals, the prior profile and metrics.
+    """Plans verify lengths each step; keeps the stale survivals and the prior profile.
 
-    spec: ``"adaptive"`` (default), ``"fixed:K"`` or ``"off"``.
     prior_survival: 1-D survival profile for new requests before any step (default 0.7^k).
     prior_decay: weight of one row (one request's step) in the running mean profile used as the prior.
         A step of R rows weighs ``1 - (1 - prior_decay)^R``, and at least R / (rows seen so far), so the
@@ -129,19 +71,19 @@ class AdaptiveController:
         because they were least predictable) from replacing what dozens of full steps measured.
     """
 
-    def __init__(self, spec: str = "adaptive", *, prior_survival=None, prior_decay: float = 1 / 256,
-                 metrics_window: int = 4096):
-        self.policy, self.k_fixed = parse_spec(spec)
+    def __init__(self, *, prior_survival=None, prior_decay: float = RuntimeTuning.prior_decay,
+                 prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE, small_slots: int = SMALL_SLOTS):
         if not 0 < prior_decay <= 1:
             raise ValueError(f"prior_decay must be in (0, 1]; got {prior_decay}")
         self.prior_decay = float(prior_decay)
+        self.prior_acceptance = float(prior_acceptance)
         self._initial_prior = None if prior_survival is None else self._check_row(prior_survival)
-        self.metrics = ControllerMetrics(window=metrics_window)
+        self.small_slots = small_slots  # up to this many slots the greedy plan runs in plain Python
         self.reset()
 
     # -- state ----------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Forget stale rows and the running prior (metrics are kept)."""
+        """Forget stale rows and the running prior."""
         self._rows = np.zeros((0, 0))  # last step's survivals, one row per request ...
         self._row_of: dict[Hashable, int] = {}  # ... found by request id
         self._mean: np.ndarray | None = None
@@ -159,8 +101,8 @@ class AdaptiveController:
         """The sizing row for a request with no previous row: running mean profile, else the initial prior."""
         base = self._mean if self._mean is not None else self._initial_prior
         if base is None:
-            return DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64)
-        return _fit_width(base[None, :], K)[0]
+            return self.prior_acceptance ** np.arange(1, K + 1, dtype=np.float64)
+        return _fit_width(base[None, :], K, self.prior_acceptance)[0]
 
     def conditional_acceptance(self, K: int) -> list[float]:
         """``[0, S_2/S_1, ..., S_K/S_(K-1)]`` of the prior profile (prior_row), as a list: the chance that
@@ -179,18 +121,16 @@ class AdaptiveController:
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, live_survival, request_ids: Sequence[Hashable], sampling_mask, cost: CostModel,
              draft_batch: int, caps=None) -> np.ndarray:
-        """Verify lengths (R,) for this step, under the controller's policy. Call once per step.
+        """Verify lengths (R,) for this step. Call once per step.
 
         live_survival: (R, K) this step's survivals. request_ids: R hashable ids (matched across steps,
         order may change). sampling_mask: (R,) bool, True where the request samples (temperature > 0).
         cost: a CostTable (``verify_table()``, ``draft_ms(b)``). draft_batch: requests in this step's
         draft run. caps: optional (R,) most drafts each request may verify.
         """
-        t0 = time.perf_counter_ns()
-        if self.policy == "adaptive":
-            planned = self._plan_small(live_survival, request_ids, sampling_mask, cost, draft_batch, caps, t0)
-            if planned is not None:
-                return planned
+        planned = self._plan_small(live_survival, request_ids, sampling_mask, cost, draft_batch, caps)
+        if planned is not None:
+            return planned
         S = np.asarray(live_survival, dtype=np.float64)
         if S.ndim != 2:
             raise ValueError(f"live_survival must be (R, K); got shape {S.shape}")
@@ -206,21 +146,13 @@ class AdaptiveController:
         if sampling.shape != (R,):
             raise ValueError(f"sampling_mask must have shape ({R},); got {sampling.shape}")
         capv = None if caps is None else np.minimum(_check_caps(caps, R), K)
-        capped = 0 if capv is None else int((capv < K).sum())
-
-        if self.policy == "off":
-            return self._done("off", np.zeros(R, np.int64), t0, capped)
-        if self.policy == "fixed":
-            return self._done("fixed", self.plan_fixed(R, min(self.k_fixed, K), capv), t0, capped)
-
         table = cost.verify_table()
         draft_ms = float(cost.draft_ms(int(draft_batch))) if draft_batch else 0.0
-        prior = 0
         if R == 0:
-            lengths, mode = np.zeros(0, np.int64), "exact"
+            lengths = np.zeros(0, np.int64)
         elif not sampling.any():
             B, _, order = _best(S, capv, table, draft_ms, None)
-            lengths, mode = _lengths(order, B, R), "exact"
+            lengths = _lengths(order, B, R)
         else:
             sizing = S.copy()
             rows = np.flatnonzero(sampling)
@@ -229,21 +161,11 @@ class AdaptiveController:
             if known.any():
                 sizing[rows[known]] = _fit_width(self._rows[old[known]], K)
             if not known.all():
-                prior = int((~known).sum())
                 sizing[rows[~known]] = self.prior_row(K)
             budget, _ = best_budget(sizing, table, draft_ms, caps=capv)
-            lengths, mode = solve_budget_for_b(S, budget, caps=capv), "stale"
+            lengths = solve_budget_for_b(S, budget, caps=capv)
         self._remember(S, row_of, capv)
-        return self._done(mode, lengths, t0, capped, prior)
-
-    def plan_fixed(self, R: int, K: int, caps=None) -> np.ndarray:
-        """The fixed(K) policy: every request verifies K drafts, clipped to its cap."""
-        lengths = np.full(int(R), int(K), dtype=np.int64)
-        return lengths if caps is None else np.minimum(lengths, _check_caps(caps, int(R)))
-
-    def plan_off(self, R: int) -> np.ndarray:
-        """The off policy: verify no drafts (plain decoding)."""
-        return np.zeros(int(R), dtype=np.int64)
+        return lengths
 
     # -- internals ------------------------------------------------------------------------------------
     def _remember(self, S: np.ndarray, row_of: dict, caps: np.ndarray | None) -> None:
@@ -268,7 +190,7 @@ class AdaptiveController:
                 w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
                 self._mean = (1 - w) * old + w * mean
 
-    def _plan_small(self, live, request_ids, sampling_mask, cost: CostModel, draft_batch: int, caps, t0: int
+    def _plan_small(self, live, request_ids, sampling_mask, cost: CostModel, draft_batch: int, caps
                     ) -> np.ndarray | None:
         """The greedy plan in pure Python for up to solver.SMALL_SLOTS slots (same answer as the numpy path,
         see solver.solve_small). None when the numpy path must plan: too many slots, a sampling request,
@@ -277,7 +199,7 @@ class AdaptiveController:
         if not isinstance(rows, list) or not rows or not isinstance(rows[0], list):
             return None
         R, K = len(rows), len(rows[0])
-        if R * K > SMALL_SLOTS or K == 0 or any(len(row) != K for row in rows) or any(sampling_mask):
+        if R * K > self.small_slots or K == 0 or any(len(row) != K for row in rows) or any(sampling_mask):
             return None
         ids = list(request_ids)
         row_of = {rid: i for i, rid in enumerate(ids)}
@@ -294,8 +216,7 @@ class AdaptiveController:
         if solved is None:
             return None
         self._remember_rows(rows, row_of, cap_list)
-        capped = 0 if cap_list is None else sum(c < K for c in cap_list)
-        return self._done("exact", np.array(solved[1], dtype=np.int64), t0, capped)
+        return np.array(solved[1], dtype=np.int64)
 
     def _remember_rows(self, rows: list[list[float]], row_of: dict, caps: list[int] | None) -> None:
         """:meth:`_remember` for valid rows as lists (the small greedy path): the same rows kept, the same
@@ -326,19 +247,15 @@ class AdaptiveController:
         self._mean = np.array(mean)
         self._cond = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(mean, mean[1:])]
 
-    def _done(self, mode: str, lengths: np.ndarray, t0: int, capped: int, prior: int = 0) -> np.ndarray:
-        self.metrics.record(mode, lengths, time.perf_counter_ns() - t0, capped, prior)
-        return lengths
 
-
-def _fit_width(rows: np.ndarray, K: int) -> np.ndarray:
+def _fit_width(rows: np.ndarray, K: int, prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE) -> np.ndarray:
     """Survival rows (n, K') truncated or extended to K positions (extension repeats each row's last
     per-position ratio, so rows stay non-increasing)."""
     n, width = rows.shape
     if width >= K:
         return rows[:, :K]
     if width == 0:
-        return np.tile(DEFAULT_PRIOR_ACCEPTANCE ** np.arange(1, K + 1, dtype=np.float64), (n, 1))
+        return np.tile(prior_acceptance ** np.arange(1, K + 1, dtype=np.float64), (n, 1))
     last = rows[:, -1]
     if width >= 2:
         prev = rows[:, -2]

@@ -1,7 +1,7 @@
 """When to prefill arriving prompts: now, or a few steps later together with the next ones.
 
 Every engine call reads all of the model's weights once, so a call has a fixed cost (c0 in
-call_shape.py: ~7 ms for the tiny target on this CPU, against ~45 ms for a step of 64 decode rows). A
+costs/call_shape.py; on a CPU a sizeable share of a whole decode step even at 64 rows). A
 prompt that arrives while others decode cannot share their call cheaply (the packed attention would
 pad every decode row to the prompt's length), so it gets a call of its own, and under a steady stream
 of arrivals every step pays one extra c0. Prompts that wait for each other share that cost; the price
@@ -14,15 +14,15 @@ request emits per step), worth tau / rate ms at the current output rate. The sum
     k* = sqrt(2 * c0 * lambda * rate / tau)
 
 and a group of k + 1 beats a group of k exactly when k (k + 1) < k*^2. So the waiting prompts are
-prefilled as soon as their number k satisfies k (k + 1) >= k*^2 (or the oldest has waited MAX_WAIT
-steps). At low load k* < sqrt(2) and nothing waits; at 64 requests here k* ~ 4.
+prefilled as soon as their number k satisfies k (k + 1) >= k*^2 (or the oldest has waited max_wait
+steps, tuning.RuntimeTuning.prefill_max_wait). At low load k* < sqrt(2) and nothing waits.
 """
 
 from __future__ import annotations
 
 import math
 
-MAX_WAIT = 4  # steps a prompt may wait for company, whatever the model says (a bound on added latency)
+from dspark_trt.runtime.tuning import RuntimeTuning
 
 
 def prefill_group_size(call_ms: float, arrivals_per_step: float, rate: float, tau: float) -> float:
@@ -39,13 +39,15 @@ def prefill_group_size(call_ms: float, arrivals_per_step: float, rate: float, ta
     return max(1.0, math.sqrt(2.0 * call_ms * arrivals_per_step * rate / tau))
 
 
-def prefill_now(waiting: int, oldest_wait: int, group_size: float, decoding: int) -> bool:
+def prefill_now(waiting: int, oldest_wait: int, group_size: float, decoding: int,
+                max_wait: int = RuntimeTuning.prefill_max_wait) -> bool:
     """Whether the `waiting` prompts are prefilled this step.
 
     oldest_wait: steps the longest-waiting of them has waited; group_size: k* from
     :func:`prefill_group_size`; decoding: requests that decode this step (with none, waiting saves
-    nothing: the call would run alone anyway).
+    nothing: the call would run alone anyway); max_wait: steps a prompt may wait for company, whatever
+    the model says (a bound on added latency).
     """
     if waiting <= 0:
         return False
-    return decoding == 0 or waiting * (waiting + 1) >= group_size ** 2 or oldest_wait >= MAX_WAIT
+    return decoding == 0 or waiting * (waiting + 1) >= group_size ** 2 or oldest_wait >= max_wait

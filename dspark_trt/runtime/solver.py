@@ -1,7 +1,7 @@
 """Budget solver for adaptive verification: how many draft tokens to verify, and which.
 
 Pure and stateless (numpy only). The stateful parts — stale survivals, the cost table, metrics — live
-in :mod:`dspark_trt.runtime.controller` and :mod:`dspark_trt.runtime.cost_model`.
+in :mod:`dspark_trt.runtime.controller` and :mod:`dspark_trt.runtime.costs.table`.
 
 The problem
 -----------
@@ -46,9 +46,13 @@ __all__ = [
     "SMALL_SLOTS",
     "best_budget",
     "cap_depth",
+    "best_draft_depth",
+    "even_spread",
     "extend_linear",
+    "marginal_survival",
     "solve_budget",
     "solve_budget_for_b",
+    "table_lookup",
 ]
 
 #: How much a survival row may increase (or leave [0, 1]) before it is rejected as malformed. Rows
@@ -58,7 +62,7 @@ MONOTONE_ATOL = 1e-5
 _INT64_MAX = np.iinfo(np.int64).max
 #: Up to this many slots (R x K) the controller solves in pure Python (:func:`solve_small`): there each
 #: numpy call costs more than the arithmetic it does, several times more right after an engine call
-#: has evicted the caches (~5 us a call measured in a step at 4 requests, ~0.3 ms a step in all).
+#: has evicted the caches.
 SMALL_SLOTS = 64
 
 
@@ -353,3 +357,70 @@ def cap_depth(lengths, survival, call_ms, fixed_ms: float = 0.0, base_gain: floa
         if rate[d - 1] > rate[best - 1] * (1 + 1e-9):
             best = d
     return best
+
+
+# ------------------------------------------------------------------------------------------------------
+# The runtime's planning around the budget: pure functions of a step's survivals and costs.
+
+def table_lookup(table: np.ndarray, x):
+    """table[x] for integer x >= 0; beyond the end, linear from the last two entries at index >= 1."""
+    n = table.size
+    if isinstance(x, (int, np.integer)):  # fast path: called every step
+        if x < 0:
+            raise ValueError(f"sizes must be whole numbers >= 0; got {x!r}")
+        if x < n:
+            return float(table[x])
+        return float(table[-1] + (x - (n - 1)) * (table[-1] - table[-2] if n >= 3 else 0.0))
+    xa = np.asarray(x)
+    if xa.size and (xa.min() < 0 or not np.all(xa == np.floor(xa))):
+        raise ValueError(f"sizes must be whole numbers >= 0; got {x!r}")
+    xi = xa.astype(np.int64)
+    slope = table[-1] - table[-2] if n >= 3 else 0.0
+    out = np.where(xi < n, table[np.minimum(xi, n - 1)], table[-1] + (xi - (n - 1)) * slope)
+    return float(out) if out.ndim == 0 else out
+
+
+def marginal_survival(requests: int, admitted_sum: float, budget: int, table: np.ndarray, draft_ms: float,
+                      span: int = 4) -> float:
+    """The survival at which one more verified draft breaks even at this step's solution: the step's
+    expected output per ms times the marginal cost of a verified token, averaged over `span` tokens.
+
+    The runtime spans a layer of the call (one more token for each of its rows): with padding every
+    layer deeper costs a jump that only a whole layer shares, and a solution sits at a layer's end
+    whenever the rows verify alike, where a span of a few tokens would charge the next jump to them and
+    stop every request drafting. Unlike the weakest admitted survival, this does not rise when the
+    solver admits everything that was drafted, so drafting depth cannot ratchet down.
+    """
+    t = requests + budget
+    cost = draft_ms + table_lookup(table, t)
+    if cost <= 0:
+        return 0.0
+    rate = (requests + admitted_sum) / cost
+    return max(0.0, rate * (table_lookup(table, t + span) - table_lookup(table, t)) / span)
+
+
+def best_draft_depth(profile, n_adaptive: int, verify_ms, draft_ms: float, plain_ms: float, spec_ms: float
+                     ) -> tuple[int, float]:
+    """(best draft depth j, its drafting rate over the plain rate) before anything is drafted.
+
+    With n_adaptive requests expected to keep j drafts each (survival `profile`, length K), output per
+    ms is ``n (1 + sum_{i<j} S_i) / (overhead_j + j draft_ms + verify_ms[j])`` (verify_ms: K + 1 costs of
+    the verify call at depth j; overhead_j: plain_ms for j = 0, spec_ms otherwise). Drafting far past
+    the best j is waste. Tokens of requests that do not draft adaptively add the same to every j and
+    belong in verify_ms and the gain's constant.
+    """
+    prof = np.asarray(profile, dtype=np.float64)
+    k = prof.size
+    j = np.arange(k + 1)
+    gain = n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
+    cost = np.where(j > 0, spec_ms, plain_ms) + j * float(draft_ms) + np.asarray(verify_ms, dtype=np.float64)
+    rate = gain / np.maximum(cost, 1e-9)
+    ratio = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0
+    return int(np.argmax(rate)), ratio
+
+
+def even_spread(n: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token counts 0..n-1 over `rows` rows and the longest row when they are spread evenly (every row
+    verifies one token anyway): the least padding a count can cost in a packed call."""
+    t = np.arange(n, dtype=np.float64)
+    return t, 1.0 + np.ceil(np.maximum(t - rows, 0.0) / rows)

@@ -14,13 +14,14 @@ it would weigh it as if it recurred every 8 steps and never find drafting worth 
 stay rare through the margin below, not through the measurement.
 
 Rates are ratios of exponentially weighted sums (tokens / ms), not averages of per-step ratios, and an
-arm takes over from the model's choice only if it leads by MARGIN plus Z standard errors: one step of a
+arm takes over from the model's choice only if it leads by a margin plus z standard errors: one step of a
 single request emits anywhere from 1 to K+1 tokens, so at low load a handful of steps says little,
 while at high load every step averages over many requests and the guard decides quickly.
 
 Trials cost throughput when one arm is clearly better, so their spacing grows with the measured gap:
-a trial of TRIAL_LEN steps comes after about TRIAL_LEN * (gap / LOSS_BUDGET - 1) steps of the better
-arm, which keeps the expected loss near LOSS_BUDGET (and the spacing within [MIN_EVERY, MAX_EVERY]).
+a trial of trial_len steps comes after about trial_len * (gap / loss_budget - 1) steps of the better
+arm, which keeps the expected loss near loss_budget (and the spacing within [min_every, max_every]).
+The values live in tuning.GuardTuning.
 
 Lossless sampling is unaffected: the arm of a step depends only on earlier steps' timings.
 """
@@ -29,34 +30,23 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SpecGuard", "load_bucket"]
+from dspark_trt.runtime.costs.overhead import load_bucket
+from dspark_trt.runtime.tuning import GuardTuning
 
-TRIAL_LEN = 8
-MIN_EVERY, MAX_EVERY = 48, 1000
-FIRST = 16  # steps of the model's arm before the first trial of the other in a new bucket
-LOSS_BUDGET = 0.01
-MARGIN = 0.03  # the other arm must be this much faster than the model's choice to take over ...
-Z = 2.0  # ... plus this many standard errors of the difference (at 16 requests a step's output is noisy
-#          enough that one standard error flipped the guard to plain decoding for whole runs)
-ALPHA = 0.05  # weight of one step in an arm's sums (~20 steps of memory, across trials)
-
-
-def load_bucket(n: int) -> int:
-    """A count of rows or requests to the nearest power of two, as its exponent: the load buckets of the
-    guard, of the runtime's step overhead and of the call-shape drift."""
-    return int(round(math.log2(max(1, n))))
+__all__ = ["SpecGuard"]
 
 
 class _Rate:
     """Exponentially weighted sums of tokens and ms per step, for a ratio estimate and its error."""
 
-    __slots__ = ("t", "m", "tt", "tm", "mm", "n")
+    __slots__ = ("t", "m", "tt", "tm", "mm", "n", "alpha")
 
-    def __init__(self):
+    def __init__(self, alpha: float):
         self.t = self.m = self.tt = self.tm = self.mm = self.n = 0.0
+        self.alpha = alpha
 
     def add(self, tokens: float, ms: float) -> None:
-        d = 1.0 - ALPHA
+        d = 1.0 - self.alpha
         self.t, self.m = d * self.t + tokens, d * self.m + ms
         self.tt, self.tm, self.mm = d * self.tt + tokens * tokens, d * self.tm + tokens * ms, d * self.mm + ms * ms
         self.n = d * self.n + 1.0
@@ -78,24 +68,24 @@ class _Rate:
 class _Bucket:
     __slots__ = ("arm", "home", "left", "rate", "trial")
 
-    def __init__(self):
+    def __init__(self, t: GuardTuning):
         self.arm = None  # the arm of the last step
         self.home = None  # the arm run outside trials
-        self.left = FIRST  # steps until the next trial (or until the running trial ends)
+        self.left = t.first  # steps until the next trial (or until the running trial ends)
         self.trial: str | None = None  # the arm on trial, while one runs
-        self.rate = {"spec": _Rate(), "plain": _Rate()}
+        self.rate = {"spec": _Rate(t.alpha), "plain": _Rate(t.alpha)}
 
 
 class SpecGuard:
-    def __init__(self):
+    def __init__(self, tuning: GuardTuning | None = None):
+        self.tuning = tuning or GuardTuning()
         self._b: dict[int, _Bucket] = {}
 
-    @staticmethod
-    def _preferred(b: _Bucket, model: str) -> tuple[str, float]:
+    def _preferred(self, b: _Bucket, model: str) -> tuple[str, float]:
         """The arm to run outside trials and its measured lead over the other (0 if unknown).
 
         Until both arms are measured: the model's. Then the home arm stays unless the other leads by
-        MARGIN plus Z standard errors (every switch into "spec" costs a draft catch-up, so following a
+        the margin plus z standard errors (every switch into "spec" costs a draft catch-up, so following a
         model that flips near a tie costs more than either arm)."""
         rs, rp = b.rate["spec"], b.rate["plain"]
         vs, vp = rs.value, rp.value
@@ -104,22 +94,26 @@ class SpecGuard:
         current = b.home
         other = "plain" if current == "spec" else "spec"
         vc, vo = (vs, vp) if current == "spec" else (vp, vs)
-        if vo > vc * (1 + MARGIN) + Z * math.hypot(rs.stderr, rp.stderr):
+        t = self.tuning
+        if vo > vc * (1 + t.margin) + t.z * math.hypot(rs.stderr, rp.stderr):
             return other, vo / vc - 1
         return current, max(0.0, vc / vo - 1)
 
     def arm(self, n_decode: int, model: str = "spec") -> str:
         """The arm to run this step ("spec" or "plain") for this load; `model` is the cost model's choice."""
-        b = self._b.setdefault(load_bucket(n_decode), _Bucket())
+        t = self.tuning
+        b = self._b.get(load_bucket(n_decode))
+        if b is None:
+            b = self._b[load_bucket(n_decode)] = _Bucket(t)
         pref, gap = self._preferred(b, model)
         if b.trial is None:
             b.home = pref
         if b.left <= 0:
             if b.trial is not None:  # a trial ended: the better arm for a while
                 b.trial = None
-                b.left = int(min(MAX_EVERY, max(MIN_EVERY, TRIAL_LEN * (gap / LOSS_BUDGET - 1))))
+                b.left = int(min(t.max_every, max(t.min_every, t.trial_len * (gap / t.loss_budget - 1))))
             else:
-                b.trial, b.left = ("plain" if b.home == "spec" else "spec"), TRIAL_LEN
+                b.trial, b.left = ("plain" if b.home == "spec" else "spec"), t.trial_len
         b.left -= 1
         b.arm = b.trial or b.home
         return b.arm

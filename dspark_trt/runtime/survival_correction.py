@@ -35,6 +35,8 @@ import math
 
 import numpy as np
 
+from dspark_trt.runtime.tuning import CorrectionTuning as _T
+
 __all__ = ["SurvivalCorrection"]
 
 _EPS = 1e-7
@@ -63,11 +65,12 @@ class SurvivalCorrection:
     damping: pseudo-curvature added to H (keeps the first steps finite); forget: fraction of H dropped
     per step (memory of ~1/forget steps, so the shift keeps tracking a changing workload); max_step:
     largest change of a shift per step; bound: |d_k| limit (a factor of e^bound on the odds); warmup:
-    observations of a position before its shift is applied (until then it is learned only).
+    observations of a position before its shift is applied (until then it is learned only). Defaults:
+    tuning.CorrectionTuning.
     """
 
-    def __init__(self, max_draft: int, damping: float = 2.0, forget: float = 0.02, max_step: float = 0.5,
-                 bound: float = 5.0, warmup: int = 8):
+    def __init__(self, max_draft: int, damping: float = _T.damping, forget: float = _T.forget,
+                 max_step: float = _T.max_step, bound: float = _T.bound, warmup: int = _T.warmup):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1; got {max_draft}")
         if not damping > 0 or not 0 < forget <= 1 or not max_step > 0 or not bound > 0:

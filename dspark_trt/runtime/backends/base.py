@@ -6,6 +6,8 @@ from typing import Protocol
 
 import numpy as np
 
+BACKENDS = ("ort", "torch", "trt")  # the one list of backend names (CLI choices, errors)
+
 
 class Backend(Protocol):
     name: str
@@ -33,4 +35,4 @@ def make_backend(name: str, artifact_dir, manifest: dict, **options):
     if name == "trt":
         from dspark_trt.runtime.backends.trt import TrtBackend
         return TrtBackend(artifact_dir, manifest)
-    raise DsparkError(f"unknown backend {name!r} (use ort, torch or trt)")
+    raise DsparkError(f"unknown backend {name!r} (use {', '.join(BACKENDS[:-1])} or {BACKENDS[-1]})")

@@ -66,12 +66,12 @@ class TorchBackend:
         return named, present
 
     def run_draft(self, feeds, past):
-        from dspark_trt.exporter.graphs import DRAFT_INPUTS, DRAFT_OUTPUTS
+        from dspark_trt.manifest import DRAFT_INPUTS, DRAFT_OUTPUTS
 
         return self._run(self.draft, DRAFT_OUTPUTS, self.num_layers["draft"], DRAFT_INPUTS, feeds, past)
 
     def run_target(self, feeds, past):
-        from dspark_trt.exporter.graphs import TARGET_INPUTS, TARGET_OUTPUTS
+        from dspark_trt.manifest import TARGET_INPUTS, TARGET_OUTPUTS
 
         return self._run(self.target, TARGET_OUTPUTS, self.num_layers["target"], TARGET_INPUTS, feeds, past)
 

@@ -11,14 +11,9 @@ import numpy as np
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
 
-PROFILE_PAST = 128
 # What one measurement spans and which measurements a profile holds; a profile that differs is measured
 # again. "shapes": target calls of varied shape for the call-shape model (call_shape.py).
 TIMING = "call+kv-write;shapes"
-CHEAP_MS = 5.0  # calls faster than this are timed several times per measurement (median)
-MAX_INNER = 7
-SHAPE_ROUNDS = 3  # rounds of call-shape timings, at least
-SHAPE_QUANTILE = 25  # percentile of a shape's timings kept (see measure)
 
 
 def profile_path(artifact_dir, backend: str) -> Path:
@@ -35,11 +30,11 @@ def profile_meta(manifest: dict, backend: str) -> dict:
 
 
 def _verify_feeds(rt, tokens: int) -> dict:
-    """`tokens` tokens in rows of at most max_draft + 1 (dense verifies), each row at PROFILE_PAST."""
+    """`tokens` tokens in rows of at most max_draft + 1 (dense verifies), each row at the profile's past."""
     per = rt.max_draft + 1
     r = max(1, min(rt.slots_total, math.ceil(tokens / per)))
     sizes = [tokens // r + (1 if i < tokens % r else 0) for i in range(r)]
-    return _packed_verify_feeds(rt, sizes, min(PROFILE_PAST, rt.max_context - per - 1))
+    return _packed_verify_feeds(rt, sizes, min(rt.tuning.profile.past, rt.max_context - per - 1))
 
 
 def _packed_verify_feeds(rt, query_lens: list[int], past: int) -> dict:
@@ -73,20 +68,25 @@ def shape_layouts(rt) -> list[tuple[list[int], int]]:
 
 
 def _draft_feeds(rt, batch: int) -> dict:
-    past = min(PROFILE_PAST, rt.max_context - 2)
+    past = min(rt.tuning.profile.past, rt.max_context - 2)
     feeds = pack_queries([[1]] * batch, [past] * batch, list(range(batch)))
     feeds.update(temperature=np.zeros(batch, np.float32), uniforms=np.full(batch, 0.5, np.float32),
                  prev_survival=np.ones(batch, np.float32), draft_position=np.zeros(batch, np.int64))
     return feeds
 
 
-def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None = None, max_batch: int | None = None):
-    from dspark_trt.runtime.cost_model import CostTable, profile_points
+def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: int | None = None,
+            max_batch: int | None = None):
+    """Time rt's engines (a Runtime: its backend, caches, limits and tuning.profile) into a CostTable."""
+    from dspark_trt.runtime.costs.table import CostTable, profile_points
 
     max_tokens = max_tokens or min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     max_batch = max_batch or rt.slots_total
 
-    def timer(run, make_feeds, cache, past_of=lambda size: PROFILE_PAST, all_times: bool = False):
+    p = rt.tuning.profile
+    repeats = repeats or p.repeats
+
+    def timer(run, make_feeds, cache, past_of=lambda size: p.past, all_times: bool = False):
         # The full call as the runtime makes it: engine run plus writing the new KV entries back (the
         # runtime's drift correction observes the same span, with packing the feeds).
         def once(feeds, past) -> float:
@@ -97,13 +97,13 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
 
         def ms(size: int) -> float:
             # A call of a millisecond or two is at the mercy of one scheduler hiccup: time cheap calls a
-            # few times over and keep their median, so every measurement point weighs ~CHEAP_MS of work.
+            # few times over and keep their median, so every measurement point weighs ~cheap_ms of work.
             # How many times follows the fastest timing so far, not the first: on a loaded machine the
-            # first timing of a 0.3 ms call can take 3 ms (a preempted thread), and judging by it left
+            # first timing of a 0.3 ms call can be 10x slower (a preempted thread), and judging by it left
             # that point with one or two timings and a median 10x too high.
             feeds, past = make_feeds(rt, size), cache.past(past_of(size))
             times = [once(feeds, past)]
-            while len(times) < min(MAX_INNER, math.ceil(CHEAP_MS / max(min(times), 1e-3))):
+            while len(times) < min(p.max_inner, math.ceil(p.cheap_ms / max(min(times), 1e-3))):
                 times.append(once(feeds, past))
             return times if all_times else float(np.median(times))
         return ms
@@ -117,13 +117,13 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
     from tqdm.auto import tqdm  # lazy: keeps runtime import light
 
     # The call-shape model is fitted to all shapes at once, so they are timed in the same conditions:
-    # round-robin over the shapes (as profile_points does for sizes), at least SHAPE_ROUNDS times, and
-    # each shape keeps a low quantile (SHAPE_QUANTILE) of all its timings. On a loaded machine other
+    # round-robin over the shapes (as profile_points does for sizes), at least profile.shape_rounds times, and
+    # each shape keeps a low quantile (profile.shape_quantile) of all its timings. On a loaded machine other
     # processes preempt the engine's threads, which only ever adds time and hits the multi-threaded
     # (larger) calls hardest: one such shape, timed at 10x its cost, pulled the whole least-squares fit
     # off (median error 0.7 with two busy processes on two cores; ~0.1 with the low quantile, loaded or
     # not). The runtime's online drift correction (per call width) then follows the machine's real load.
-    rounds = max(SHAPE_ROUNDS, repeats - 1)
+    rounds = max(p.shape_rounds, repeats - 1)
     timings: list[list[float]] = [[] for _ in layouts]
     with tqdm(total=len(layouts) * (rounds + 1), desc="profiling call shapes", unit="run",
               disable=not progress) as bar:
@@ -133,14 +133,15 @@ def measure(rt, repeats: int = 3, progress: bool = True, max_tokens: int | None 
                 if rnd:  # round 0 is the warm-up: the first call of a new shape pays allocations
                     timings[i].extend(times)
                 bar.update(1)
-    shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, SHAPE_QUANTILE))]
+    shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, p.shape_quantile))]
               for (q, past), t in zip(layouts, timings)]
     return CostTable.from_measurements(vp, dp, profile_meta(rt.manifest, rt.backend.name),
                                        max_tokens=max_tokens, max_batch=max_batch, shape_points=shapes)
 
 
-def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: int = 3, progress: bool = True):
-    from dspark_trt.runtime.cost_model import CostTable
+def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: int | None = None,
+                    progress: bool = True):
+    from dspark_trt.runtime.costs.table import CostTable
 
     path = profile_path(rt.artifact_dir, backend)
     meta = profile_meta(rt.manifest, backend)
@@ -157,11 +158,11 @@ def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: 
     return table
 
 
-# ------------------------------------------------------------------------------ start-up (issue 20)
+# ------------------------------------------------------------------------------------------ start-up
 START_BUDGET_S = 20.0  # a first load may spend about this long profiling; larger models get a quick profile
 
 
-def quick_or_full_profile(rt, repeats: int = 3, progress: bool = True, budget_s: float = START_BUDGET_S):
+def quick_or_full_profile(rt, repeats: int | None = None, progress: bool = True, budget_s: float = START_BUDGET_S):
     """The profile a first load measures: the full one when it fits `budget_s`, else a quick one.
 
     Two probe calls (verify 1 and max tokens, timed once each after a warm-up) predict what the full
@@ -172,8 +173,9 @@ def quick_or_full_profile(rt, repeats: int = 3, progress: bool = True, budget_s:
     `quick` in its meta and saved like any profile; the runtime's drift correction refines it online
     and `dspark-trt profile` replaces it with the full one.
     """
-    from dspark_trt.runtime.cost_model import CostTable, measurement_points
+    from dspark_trt.runtime.costs.table import CostTable, measurement_points
 
+    repeats = repeats or rt.tuning.profile.repeats
     max_tokens = min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     probe = _probe_verify(rt, [1, max_tokens])
     full_calls = [(t, repeats + 1) for t in measurement_points(max_tokens)] + [(max_tokens // 2, 2 * 16)]
@@ -196,7 +198,7 @@ REFINE_MIN_OBSERVATIONS = 16
 def persist_refined(rt) -> Path | None:
     """At close: a quick start-up profile is replaced by its drift-corrected tables (what the runtime
     learned from real calls), so the next start begins from them. Full profiles are left alone."""
-    from dspark_trt.runtime.cost_model import CostTable
+    from dspark_trt.runtime.costs.table import CostTable
 
     cost = getattr(rt, "cost", None)
     if cost is None or not cost.meta.get("quick"):
@@ -216,7 +218,7 @@ def _probe(run, make_feeds, cache, rt, sizes: list[int]) -> list[float]:
     """One warm-up and one timed call per size (engine call plus the KV write, as `measure` times)."""
     out = []
     for size in sizes:
-        feeds, past = make_feeds(rt, size), cache.past(PROFILE_PAST)
+        feeds, past = make_feeds(rt, size), cache.past(rt.tuning.profile.past)
         for timed in (False, True):
             s = time.perf_counter()
             _, present = run(feeds, past)
@@ -232,14 +234,3 @@ def _probe_verify(rt, sizes):
 
 def _probe_draft(rt, sizes):
     return _probe(rt.backend.run_draft, _draft_feeds, rt.draft_kv, rt, sizes)
-
-
-def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5) -> Path:
-    from dspark_trt.runtime.runtime import Runtime
-
-    rt = Runtime.load(artifact_dir, backend=backend, profile="none")
-    try:
-        table = measure(rt, repeats=repeats)
-        return table.save(profile_path(artifact_dir, backend))
-    finally:
-        rt.close()

@@ -6,8 +6,8 @@ gathers every row's cache up to the call's longest past. So a call's time grows 
   - rows x past, R * P (gathering the rows' caches),
   - the padded attention, R * Lq * (P + Lq) (Lq: the longest query in the call).
 A table indexed by token count cannot tell a call of 32 one-token rows plus one 40-token prompt chunk
-(measured ~110 ms on the tiny pair, ORT on this CPU) from the same rows with the prompt in a call of its
-own (~25 + ~18 ms), nor one request verifying 7 drafts while 31 verify none from an even spread. This
+(every row padded to 40) from the same rows with the prompt in a call of its own (several times
+cheaper on the tiny pair), nor one request verifying 7 drafts while 31 verify none from an even spread. This
 model can, and the runtime uses it to decide when a prompt chunk gets its own call and how deep a
 step's verification may go before padding every row to that depth stops paying.
 
@@ -16,7 +16,7 @@ kept: four features make that exact and cheap), from calls of known shape timed 
 exponentially weighted log-ratios (observed / predicted) follow the machine's drift: one per call width
 (rows, to the nearest power of two), starting from a global one. The profile's shapes cannot cover every
 width the way a running batch does, and a single factor learned mostly from the many small calls (prompt
-chunks, a few requests) left 64-row calls ~15% dearer than predicted here, a bias that falls unevenly on
+chunks, a few requests) left the widest calls dearer than predicted, a bias that falls unevenly on
 plain and drafting steps.
 """
 
@@ -27,7 +27,8 @@ import math
 
 import numpy as np
 
-from dspark_trt.runtime.spec_guard import load_bucket
+from dspark_trt.runtime.costs.overhead import load_bucket
+from dspark_trt.runtime.tuning import DriftTuning
 
 FEATURES = ("call", "tokens", "rows_x_past/100", "rows_x_longest_x_span/1000")
 
@@ -58,15 +59,14 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class CallShapeCost:
     """ms of one engine call from (tokens, rows, longest query, past length); see the module docstring."""
 
-    ALPHA = 0.05  # EW weight of one observed call
-    BOUNDS = (math.log(0.25), math.log(4.0))
-
     def __init__(self, coef):
         c = np.asarray(coef, dtype=np.float64)
         if c.shape != (len(FEATURES),) or not np.isfinite(c).all() or (c < 0).any() or c.sum() <= 0:
             raise ValueError(f"call-shape coefficients must be {len(FEATURES)} finite values >= 0, not all 0; "
                              f"got {coef!r}")
         self.coef = c
+        self.alpha = DriftTuning.shape_alpha  # EW weight of one observed call (CostTable.tune sets both)
+        self.bounds = (math.log(DriftTuning.bound_low), math.log(DriftTuning.bound_high))
         self.log_drift = 0.0  # global: for call widths not observed yet
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
 
@@ -103,11 +103,11 @@ class CallShapeCost:
         if not (ms > 0 and pred > 0 and math.isfinite(ms)):
             return
         x = math.log(ms / pred)
-        lo, hi = self.BOUNDS
+        lo, hi = self.bounds
         w = load_bucket(rows)
         own = self.width_drift.get(w, self.log_drift)
-        self.width_drift[w] = min(max(own + self.ALPHA * (x - own), lo), hi)
-        self.log_drift = min(max(self.log_drift + self.ALPHA * (x - self.log_drift), lo), hi)
+        self.width_drift[w] = min(max(own + self.alpha * (x - own), lo), hi)
+        self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
 
 
 def packed_shape(query_lens, past_lens) -> tuple[int, int, int, int]:

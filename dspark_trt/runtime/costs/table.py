@@ -37,6 +37,8 @@ from typing import Callable
 import numpy as np
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.solver import table_lookup
+from dspark_trt.runtime.tuning import DriftTuning as _D
 
 __all__ = [
     "CostTable",
@@ -118,24 +120,6 @@ def _fit(points, n_max: int | None, what: str):
     return table, medians
 
 
-def table_lookup(table: np.ndarray, x):
-    """table[x] for integer x >= 0; beyond the end, linear from the last two entries at index >= 1."""
-    n = table.size
-    if isinstance(x, (int, np.integer)):  # fast path: called every step
-        if x < 0:
-            raise ValueError(f"sizes must be whole numbers >= 0; got {x!r}")
-        if x < n:
-            return float(table[x])
-        return float(table[-1] + (x - (n - 1)) * (table[-1] - table[-2] if n >= 3 else 0.0))
-    xa = np.asarray(x)
-    if xa.size and (xa.min() < 0 or not np.all(xa == np.floor(xa))):
-        raise ValueError(f"sizes must be whole numbers >= 0; got {x!r}")
-    xi = xa.astype(np.int64)
-    slope = table[-1] - table[-2] if n >= 3 else 0.0
-    out = np.where(xi < n, table[np.minimum(xi, n - 1)], table[-1] + (xi - (n - 1)) * slope)
-    return float(out) if out.ndim == 0 else out
-
-
 # --------------------------------------------------------------------------------------------- drift
 
 class _Drift:
@@ -149,13 +133,14 @@ class _Drift:
     """
 
     NBUCKETS = 48
-    #: The residual learns 4x slower than the global term: while the global term is still catching up
-    #: with a uniform change, every residual sees part of that change, and a size observed only then
-    #: would keep the excess (an overshoot) until it is observed again. Slower residuals keep that
-    #: excess small; size-specific drift (fragmentation, large-batch effects) is slow anyway.
-    RESIDUAL_RATE = 0.25
 
-    def __init__(self, alpha: float, max_step: float, bounds: tuple[float, float]):
+    def __init__(self, alpha: float, max_step: float, bounds: tuple[float, float],
+                 residual_rate: float = _D.residual_rate):
+        # The residual learns slower than the global term (residual_rate < 1): while the global term is
+        # still catching up with a uniform change, every residual sees part of that change, and a size
+        # observed only then would keep the excess (an overshoot) until it is observed again. Slower
+        # residuals keep that excess small; size-specific drift (fragmentation, large batch) is slow anyway.
+        self.residual_rate = float(residual_rate)
         if not 0 < alpha <= 1:
             raise ValueError(f"drift alpha must be in (0, 1]; got {alpha}")
         if not max_step > 0:
@@ -194,7 +179,7 @@ class _Drift:
         if self.n[b] == 0:  # start from what the neighbours say, so a newly seen size does not jump
             self.h[b] = float(self._residual(float(b)))
         self.g = min(max(self._step(self.g, log_ratio, self.alpha), self.log_lo), self.log_hi)
-        h = self._step(self.h[b], log_ratio - self.g, self.alpha * self.RESIDUAL_RATE)
+        h = self._step(self.h[b], log_ratio - self.g, self.alpha * self.residual_rate)
         self.h[b] = min(max(h, self.log_lo - self.g), self.log_hi - self.g)
         self.n[b] += 1
 
@@ -231,11 +216,13 @@ class CostTable:
     ``verify_ms`` / ``draft_ms`` arrays are the profiled tables indexed by size (index 0 = 0 ms, no
     step); they must be non-decreasing. Build one with :meth:`from_measurements` or :meth:`load`.
     Drift parameters: ``alpha`` (EW weight of one observation), ``max_step`` (largest log-change of a
-    bucket per observation), ``bounds`` (range of the correction factor).
+    bucket per observation), ``bounds`` (range of the correction factor); defaults and meaning in
+    tuning.DriftTuning, applied whole by :meth:`tune`.
     """
 
     def __init__(self, verify_ms, draft_ms, meta: dict | None = None, *, points: dict | None = None,
-                 alpha: float = 0.1, max_step: float = 0.06, bounds: tuple[float, float] = (0.25, 4.0)):
+                 alpha: float = _D.alpha, max_step: float = _D.max_step,
+                 bounds: tuple[float, float] = (_D.bound_low, _D.bound_high)):
         self._base = {}
         for name, table in (("verify", verify_ms), ("draft", draft_ms)):
             t = np.array(table, dtype=np.float64)
@@ -250,11 +237,22 @@ class CostTable:
         # Cost of a target call by its shape (call_shape.py), when the profile measured shapes.
         self.call_shape = None
         if self.points.get("verify_shapes"):
-            from dspark_trt.runtime.call_shape import CallShapeCost
+            from dspark_trt.runtime.costs.call_shape import CallShapeCost
 
             self.call_shape = CallShapeCost.from_points(self.points["verify_shapes"])
         self._drift = {name: _Drift(alpha, max_step, bounds) for name in ("verify", "draft")}
         self._cache: dict[str, np.ndarray] = {}
+
+    def tune(self, drift) -> "CostTable":
+        """Apply a DriftTuning (runtime/tuning.py) to the drift correction; observations so far are reset."""
+        bounds = (drift.bound_low, drift.bound_high)
+        self._drift = {name: _Drift(drift.alpha, drift.max_step, bounds, drift.residual_rate)
+                       for name in ("verify", "draft")}
+        self._cache.clear()
+        if self.call_shape is not None:
+            self.call_shape.alpha = drift.shape_alpha
+            self.call_shape.bounds = (math.log(drift.bound_low), math.log(drift.bound_high))
+        return self
 
     # -- construction -------------------------------------------------------------------------------
     @classmethod

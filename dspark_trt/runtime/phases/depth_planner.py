@@ -1,0 +1,94 @@
+"""Draft-depth planning: how many draft steps adaptive requests get this step, decided before drafting.
+
+From the running survival profile (which does not depend on this step's drafts) and the step's costs
+(solver.best_draft_depth); one step of headroom lets live survivals ask for more. A plan is reused per
+batch shape for a few steps (the profile moves slowly). When no drafting pays, nothing is drafted but a
+probe now and then keeps the profile tracking the workload. Near a tie the measured guard
+(spec_guard.py) has the last word.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark_trt.runtime.solver import best_draft_depth
+from dspark_trt.runtime.spec_guard import SpecGuard
+
+__all__ = ["DepthPlan", "DepthPlanner"]
+
+
+class DepthPlan(NamedTuple):
+    """The draft depth of one step."""
+
+    steps: int  # draft steps adaptive requests get this step
+    arm: str | None = None  # the guard's arm this step ("spec" | "plain"; None: the guard was not consulted)
+    probing: bool = False  # this step's drafting is a probe (drafting did not pay)
+
+
+class _CachedPlan(NamedTuple):
+    """A cached draft-depth plan of one batch shape."""
+
+    depth: int  # best draft depth by the cost model
+    spec_vs_plain: float  # its best drafting rate over its plain rate
+    steps_left: int  # steps it is used for before it is made again
+
+
+class DepthPlanner:
+    """Call order: ``plan(batch, cost)`` once per step (``plan_for`` with explicit counts)."""
+
+    def __init__(self, max_draft: int, tuning, controller, guard: SpecGuard | None):
+        self.max_draft, self.tuning, self.controller, self.guard = max_draft, tuning, controller, guard
+        self.spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
+        self._cache: dict[tuple[int, int], _CachedPlan] = {}
+        self._since_probe = 0
+
+    def plan(self, batch, cost) -> DepthPlan:
+        if not batch.n_adaptive:
+            return DepthPlan(self.max_draft)
+        return self.plan_for(batch.n_adaptive, len(batch.decode), cost)
+
+    def plan_for(self, n_adaptive: int, n_decode: int, cost) -> DepthPlan:
+        """The plan for n_adaptive adaptive requests among n_decode decoding ones."""
+        if cost.table is None:
+            return DepthPlan(self.max_draft)
+        key = (n_adaptive, n_decode)
+        cached = self._cache.get(key)
+        if cached is None or cached.steps_left <= 0:
+            cached = _CachedPlan(*self._best(n_adaptive, n_decode, cost), self.tuning.plan_every)
+        best, self.spec_vs_plain = cached.depth, cached.spec_vs_plain
+        self._cache[key] = cached._replace(steps_left=cached.steps_left - 1)
+        if best == 0:
+            # A probe is one step, not a plan: the plan stays "no drafting" between probes.
+            self._since_probe += 1
+            if self._since_probe >= self.tuning.probe_every:
+                self._since_probe = 0
+                return DepthPlan(1, None, True)
+            return self._guarded(0, n_decode)
+        self._since_probe = 0
+        return self._guarded(min(self.max_draft, best + self.tuning.plan_headroom), n_decode)
+
+    def _guarded(self, steps: int, n_decode: int) -> DepthPlan:
+        """The model's draft depth, unless measurement says the other arm is faster at this load: no
+        drafting where the model would draft, or the smallest planned depth where it would not."""
+        t = self.tuning
+        if n_decode < 1 or self.guard is None:
+            return DepthPlan(steps)
+        if steps <= 0 and self.spec_vs_plain < 1 - t.guard_tie:
+            return DepthPlan(0)  # the model is sure drafting does not pay: no trials of it (probes still run)
+        if steps > 0 and self.spec_vs_plain > 1 + t.guard_sure:
+            # The model is sure drafting pays (low load): a trial of plain steps would cost a share of its
+            # steps' output for a decision that is not close.
+            return DepthPlan(steps)
+        arm = self.guard.arm(n_decode, "spec" if steps > 0 else "plain")
+        if arm == "plain":
+            return DepthPlan(0, arm)
+        return DepthPlan(steps if steps > 0 else min(self.max_draft, 1 + t.plan_headroom), arm)
+
+    def _best(self, n_adaptive: int, n_decode: int, cost) -> tuple[int, float]:
+        """(best draft depth by the model, its best drafting rate over its plain rate)."""
+        prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
+        verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
+        return best_draft_depth(prof, n_adaptive, verify, float(cost.table.draft_ms(n_adaptive)),
+                                cost.overhead("plain"), cost.overhead("spec"))

@@ -1,0 +1,227 @@
+"""Drafting: the draft model proposes tokens for the requests that speculate this step.
+
+First the draft catches up on tokens it has not seen (a prompt, the previous verify's accepted tokens,
+text generated while the request did not draft); then it drafts one token per call for every request
+still drafting. An adaptive request continues only while its predicted next survival clears the last
+solve's break-even survival, and a further call is made only if its expected surplus pays for its time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark_trt.runtime.batch import pack_queries, token_slots
+from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.survival_correction import SurvivalCorrection
+
+__all__ = ["Draft", "DraftRound", "Drafter"]
+
+
+class Draft(NamedTuple):
+    """One request's drafts of this step."""
+
+    tokens: list[int]  # drafted tokens
+    probs: list  # the draft's distribution per drafted token ([V] rows) for a sampling request; empty for greedy
+    survival: np.ndarray  # survival per drafted token, as the head scored it
+    corrected: list[float]  # survivals as the solver sees them (online-corrected)
+
+
+class DraftRound(NamedTuple):
+    """What drafting produced this step."""
+
+    drafts: dict[int, Draft]  # by request id; requests that did not draft are absent
+    engine_ms: float  # engine time of all draft calls (catch-up included)
+    priced_ms: float  # full time of the drafting calls the cost tables price (feeds, engine, KV write)
+    switch_ms: float  # time feeding the draft text generated while it did not draft (a switch's cost)
+
+
+class Drafter:
+    """Call order: ``draft(batch, depth, cost)`` once per step."""
+
+    def __init__(self, backend, kv, tuning, limits, controller, correction: SurvivalCorrection | None, costs, metrics):
+        self.backend, self.kv, self.tuning = backend, kv, tuning
+        self.max_draft, self.max_context, self.max_tokens_per_step = limits
+        self.controller, self.correction, self.costs, self.metrics = controller, correction, costs, metrics
+        self._probes = 0
+        self._priced_ms = 0.0
+        self._timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), fed back after drafting
+
+    def cap(self, r: Request, depth: int) -> int:
+        """Most tokens request r drafts this step."""
+        k = r.mode.k if r.mode.kind == "fixed" else min(self.max_draft, depth)
+        room_new = r.remaining() - 1  # the target always adds one token
+        room_ctx = self.max_context - len(r.tokens) - 1
+        return max(0, min(k, room_new, room_ctx))
+
+    def draft(self, batch, depth, cost) -> DraftRound:
+        spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
+        if batch.n_adaptive and depth.probing:
+            spec = self.probe_subset(spec)
+        if not spec:
+            return DraftRound({}, 0.0, 0.0, 0.0)
+        return self.run(spec, depth.steps)
+
+    def probe_subset(self, spec: list[Request]) -> list[Request]:
+        """On a probe step only a few adaptive requests draft (taking turns): a draft call's cost grows
+        with its batch, and a few rows are enough to keep the survival profile current."""
+        n = self.tuning.probe_requests
+        adaptive = sorted((r for r in spec if r.mode.kind == "adaptive"), key=lambda r: r.id)
+        if len(adaptive) <= n:
+            return spec
+        start = (self._probes * n) % len(adaptive)
+        self._probes += 1
+        chosen = {r.id for r in (adaptive + adaptive)[start:start + n]}
+        return [r for r in spec if r.mode.kind != "adaptive" or r.id in chosen]
+
+    def run(self, reqs: list[Request], depth: int) -> DraftRound:
+        """Catch the draft up, then draft for `reqs` (up to `depth` tokens for adaptive ones)."""
+        self._priced_ms = 0.0
+        caps = {r.id: self.cap(r, depth) for r in reqs}
+        engine_ms, switch_ms = self._catch_up(reqs)
+        toks = {r.id: [] for r in reqs}
+        probs = {r.id: [] for r in reqs}
+        surv = {r.id: [] for r in reqs}
+        # A sampled request's drafts must not decide whether other requests draft on (the call test sums
+        # every request's surplus): their extra slots would then compete for the budget depending on the
+        # sampled tokens, and "verify x_k" would depend on x_k. Decided before drafting, from the requests'
+        # settings only.
+        test_call = not any(r.sampling and r.mode.kind == "adaptive" for r in reqs)
+        current = list(reqs)
+        queries = [r.tokens[r.draft_len:] for r in current]
+        prev = {r.id: 1.0 for r in reqs}
+        # Survivals as the solver will see them (online-corrected), kept up as drafting goes.
+        shifts = self.correction.active_shifts() if self.correction is not None else None
+        corr = {r.id: [] for r in reqs}
+        k = 0
+        while current:
+            outs, ms = self.run_draft(current, queries, [prev[r.id] for r in current], [k] * len(current))
+            engine_ms += ms
+            nxt, nq = [], []
+            # Plain lists: indexing numpy per request per call costs more than the bookkeeping itself.
+            drafted, survivals, dist = outs["draft_token"].tolist(), outs["survival"].tolist(), outs["draft_probs"]
+            for i, r in enumerate(current):
+                rid = r.id
+                r.draft_len += len(queries[i])
+                t, s = drafted[i], survivals[i]
+                toks[rid].append(t)
+                if r.sampling:  # greedy acceptance never reads the draft's distribution
+                    probs[rid].append(dist[i])
+                surv[rid].append(s)
+                cr = corr[rid]
+                cr.append(SurvivalCorrection.corrected_next(shifts, k, prev[rid], s, cr[-1] if cr else 1.0))
+                prev[rid] = s
+                if len(toks[rid]) < caps[rid]:
+                    nxt.append(r)
+                    nq.append([t])
+            keep = self.keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], corr, k + 1,
+                                      test_call=test_call and not any(r.mode.kind != "adaptive" for r in nxt))
+            nq = [q for r, q in zip(nxt, nq) if r.mode.kind != "adaptive" or r.id in keep]
+            nxt = [r for r in nxt if r.mode.kind != "adaptive" or r.id in keep]
+            # Tokens fed this call are in the draft cache only provisionally: roll back to the committed
+            # prefix; commit advances draft_len by what the target accepts.
+            current, queries = nxt, nq
+            k += 1
+        for r in reqs:
+            r.draft_len = len(r.tokens)
+            r.draft_rounds += 1
+        # Fed back once the step's drafting is done: each feed invalidates the corrected draft table,
+        # which the draft loop reads between calls.
+        for b, ms in self._timings:
+            self.costs.table.observe_draft(b, ms)
+        self._timings.clear()
+        out = {r.id: Draft(toks[r.id], probs[r.id], np.asarray(surv[r.id], dtype=np.float32), corr[r.id])
+               for r in reqs}
+        for r in reqs:
+            r.stats.drafted_tokens += len(toks[r.id])
+        return DraftRound(out, engine_ms, self._priced_ms, switch_ms)
+
+    def _catch_up(self, reqs: list[Request]) -> tuple[float, float]:
+        """Feed tokens the draft has not seen; returns (engine ms, ms of it that is a switch's cost).
+
+        A drafting step itself catches up at most max_draft + 1 tokens a request; anything longer (a
+        prompt, the text generated while the request did not draft) is fed first, in calls of only the
+        requests that are that far behind: in the drafting call every row would be padded to it
+        (models/decoder.py), which costs far more than the extra call of the small draft model."""
+        limit = self.max_draft + 1
+        engine_ms = switch_ms = 0.0
+        while True:
+            behind = {r.id: len(r.tokens) - r.draft_len for r in reqs}
+            far = [r for r in reqs if behind[r.id] > limit]
+            if not far and sum(behind.values()) <= self.max_tokens_per_step:
+                break
+            group, used = [], 0
+            for r in sorted(far or reqs, key=lambda r: -behind[r.id]):
+                c = min(behind[r.id] - 1, self.tuning.prefill_chunk)  # keep one token for the drafting call
+                if c > 0 and used + c <= self.max_tokens_per_step:
+                    group.append((r, c))
+                    used += c
+            if not group:
+                break
+            qs = [r.tokens[r.draft_len:r.draft_len + c] for r, c in group]
+            t = time.perf_counter()
+            _, ms = self.run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group), observe=False)
+            engine_ms += ms
+            # New prompts must reach the draft in any drafting regime: that share of the call stays in the
+            # step overhead the planner charges to drafting. Requests that decoded a while without drafting
+            # are the price of switching into drafting, which the guard measures, not the steady state the
+            # planner models.
+            switch = sum(c for r, c in group if r.stats.steps > 1)
+            switch_ms += (time.perf_counter() - t) * 1e3 * switch / sum(c for _, c in group)
+            for r, c in group:
+                r.draft_len += c
+        return engine_ms, switch_ms
+
+    def keep_drafting(self, reqs: list[Request], corrected: dict, drafted: int, test_call: bool = True) -> set:
+        """Adaptive requests worth another draft step, by marginal value.
+
+        A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the
+        break-even survival of the last solve (solver.marginal_survival, in corrected units). The next
+        token's survival is predicted as S_k times the running profile's conditional acceptance at k+1,
+        and a request keeps drafting iff that clears theta * stop_factor. With test_call the call itself
+        is made only if the expected surplus sum (S_pred - theta) is worth its time at the runtime's
+        recent output rate (tokens per ms); without (fixed-K requests draft anyway, or a sampled request
+        is among them) only the per-request test applies. Stopping rules that look only at positions
+        <= k keep sampling lossless.
+        """
+        if not reqs:
+            return set()
+        conds = self.controller.conditional_acceptance(self.max_draft)
+        cond = conds[drafted] if drafted < len(conds) else 0.0
+        theta = self.costs.break_even
+        bar = theta * self.tuning.stop_factor
+        keep, surplus = set(), 0.0
+        for r in reqs:
+            p = corrected[r.id][-1] * cond
+            if p >= bar:
+                keep.add(r.id)
+                if p > theta:
+                    surplus += p - theta
+        table, rate = self.costs.table, self.costs.rate
+        if keep and self.tuning.call_test and test_call and table is not None and rate > 0:
+            if surplus < rate * table.draft_ms(len(keep)):
+                return set()
+        return keep
+
+    def run_draft(self, reqs, queries, prev_survival, positions, observe: bool = True):
+        """One draft call; returns (outputs, engine ms). observe: a drafting call the cost tables price."""
+        t0 = time.perf_counter()
+        feeds = pack_queries(queries, [r.draft_len for r in reqs], [r.slot for r in reqs])
+        feeds["temperature"] = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
+        feeds["uniforms"] = np.asarray([r.draft_draw(k) for r, k in zip(reqs, positions)], dtype=np.float32)
+        feeds["prev_survival"] = np.asarray(prev_survival, dtype=np.float32)
+        feeds["draft_position"] = np.asarray(positions, dtype=np.int64)
+        t = time.perf_counter()
+        outs, present = self.backend.run_draft(feeds, self.kv.past(int(feeds["past_lens"].max())))
+        ms = (time.perf_counter() - t) * 1e3
+        self.kv.write(present, feeds["positions"], token_slots(feeds))
+        if observe:
+            full = (time.perf_counter() - t0) * 1e3
+            self._priced_ms += full
+            if self.costs.table is not None and self.metrics.steps % self.tuning.cost_observe_every == 0:
+                # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a
+                # sizeable share of a small draft call, and the planner must weigh what it really costs.
+                self._timings.append((len(reqs), full))
+        return outs, ms

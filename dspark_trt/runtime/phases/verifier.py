@@ -1,0 +1,144 @@
+"""Verification: one target step over the packed batch, decode verifications and prompt chunks together.
+
+Decode rows come first (the last token plus the drafts each verifies), prompt chunks fill the rest of
+the step's token budget. Prompt chunks get a call of their own when padding every decode row to the
+chunk's length would cost more than a second call (costs/call_shape.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
+from dspark_trt.runtime.costs.call_shape import packed_shape
+from dspark_trt.runtime.request import Request
+
+__all__ = ["VerifyResult", "Verifier"]
+
+
+class VerifyResult(NamedTuple):
+    """What the target's step returned, rows in `order`: decode requests first, then prompt chunks."""
+
+    order: list[Request]
+    chunked: list[tuple[Request, int]]  # prompt chunks fed: (request, tokens)
+    verify_lens: np.ndarray  # drafts verified per row
+    accepted: np.ndarray  # drafts accepted per row
+    next_token: np.ndarray  # the target's token per row
+    query_lens: list[int]  # tokens fed per row
+    past_lens: list[int]  # cached tokens per row before the step
+    calls: int  # target calls made (2 when the prompt chunks got their own)
+    last_call_ms: float  # engine ms of the last call (the prompt chunks' own, when they got one)
+    target_ms: float  # engine ms of all target calls
+    target_tokens: int  # tokens fed to the target
+    verified: int  # rows the acceptance ops scored
+    priced_ms: float  # full time of the target calls (feeds, engine, KV write)
+
+
+class Verifier:
+    """Call order: ``run(batch, drafted, plan)`` once per step."""
+
+    def __init__(self, backend, kv, tuning, limits, costs, metrics):
+        self.backend, self.kv, self.tuning, self.costs, self.metrics = backend, kv, tuning, costs, metrics
+        self.vocab, self.max_tokens_per_step, self.query_len_max = limits
+        self._zeros: np.ndarray | None = None  # see _zero_probs
+
+    def run(self, batch, drafted, plan) -> VerifyResult | None:
+        """The target step; None when nothing was fed (no decode row and no room for a prompt chunk)."""
+        decode, drafts, lengths = batch.decode, drafted.drafts, plan.lengths
+        queries, vlens = [], []
+        budget = self.max_tokens_per_step
+        for r in decode:
+            L = lengths.get(r.id, 0)
+            q = [r.tokens[-1]] + drafts[r.id].tokens[:L] if L else [r.tokens[-1]]
+            queries.append(q)
+            vlens.append(L)
+            budget -= len(q)
+        chunked = []
+        for r in batch.prefill:
+            n = min(r.uncached, self.tuning.prefill_chunk, self.query_len_max, max(budget, 0))
+            if n <= 0:
+                break
+            queries.append(r.tokens[r.target_len:r.target_len + n])
+            vlens.append(0)
+            chunked.append((r, n))
+            budget -= n
+        order = decode + [r for r, _ in chunked]
+        if not order:
+            return None
+        nd = len(decode)
+        query_lens = [len(q) for q in queries]
+        past_lens = [r.target_len for r in order]
+        groups = [range(len(order))]
+        if nd and chunked and self.costs.split_prefill(query_lens[:nd], past_lens[:nd], query_lens[nd:], past_lens[nd:]):
+            groups = [range(nd), range(nd, len(order))]
+        accepted = np.zeros(len(order), dtype=np.int64)
+        next_tok = np.zeros(len(order), dtype=np.int64)
+        target_ms, target_tokens, verified, priced = 0.0, 0, 0, 0.0
+        for g in groups:
+            outs, ms, tokens, m, full = self._call([order[i] for i in g], [queries[i] for i in g],
+                                                   [past_lens[i] for i in g], [vlens[i] for i in g], drafts)
+            accepted[g.start:g.stop] = outs["accepted"]
+            next_tok[g.start:g.stop] = outs["next_token"]
+            target_ms += ms
+            target_tokens += tokens
+            verified += m
+            priced += full
+        return VerifyResult(order, chunked, np.asarray(vlens, dtype=np.int64), accepted, next_tok, query_lens,
+                            past_lens, len(groups), ms, target_ms, target_tokens, verified, priced)
+
+    def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
+              drafts: dict):
+        """One target call over these rows; returns (outputs, engine ms, tokens, verified rows, full ms)."""
+        tv = time.perf_counter()  # the call's full cost: feeds, engine, KV write
+        slots = [r.slot for r in order]
+        feeds = pack_queries(queries, past_lens, slots)
+        vl = np.asarray(vlens, dtype=np.int64)
+        feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
+        feeds["verify_lens"] = vl
+        m = len(feeds["verify_index"])
+        draft_tokens = np.zeros(m, dtype=np.int64)
+        sampling = any(r.sampling for r in order)
+        draft_probs = np.zeros((m, self.vocab), dtype=np.float32) if sampling else self._zero_probs(m)
+        accept_u = np.zeros(m, dtype=np.float32)
+        sample_u = np.zeros(len(order), dtype=np.float32)
+        temps = np.asarray([r.config.temperature for r in order], dtype=np.float32)
+        row = 0
+        for i, r in enumerate(order):
+            L = int(vl[i])
+            if L:
+                d = drafts[r.id]
+                draft_tokens[row:row + L] = d.tokens[:L]
+                if r.sampling:  # greedy acceptance never reads the draft's distribution
+                    draft_probs[row:row + L] = d.probs[:L]
+            if r.sampling:
+                accept_u[row:row + L] = r.accept_draws(L)
+                sample_u[i] = r.sample_draw()
+            row += L + 1
+        feeds.update(draft_tokens=draft_tokens, draft_probs=draft_probs, temperature=temps,
+                     accept_uniforms=accept_u, sample_uniforms=sample_u)
+        te = time.perf_counter()
+        outs, present = self.backend.run_target(feeds, self.kv.past(max(past_lens)))
+        ms = (time.perf_counter() - te) * 1e3
+        self.kv.write(present, feeds["positions"], token_slots(feeds))
+        tokens = int(feeds["tokens"].shape[0])
+        full = (time.perf_counter() - tv) * 1e3
+        table = self.costs.table
+        if table is not None and self.metrics.steps % self.tuning.cost_observe_every == 0:
+            # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
+            # writes grow with the tokens verified too.
+            table.observe_verify(tokens, full)
+            if table.call_shape is not None:
+                table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full)
+        return outs, ms, tokens, int(m), full
+
+    def _zero_probs(self, rows: int) -> np.ndarray:
+        """A [rows, V] block of zeros, the draft distribution of greedy rows (greedy acceptance never reads
+        it; nothing writes to it). Kept between steps: a fresh one each step is megabytes the engine first
+        pages in. (Not flagged read-only: torch.from_numpy warns on read-only arrays.)"""
+        if self._zeros is None or self._zeros.shape[0] < rows:
+            grown = 2 * (0 if self._zeros is None else self._zeros.shape[0])
+            self._zeros = np.zeros((max(rows, grown), self.vocab), dtype=np.float32)
+        return self._zeros[:rows]

@@ -1,0 +1,116 @@
+"""Verify planning: how many drafts each request verifies this step.
+
+Fixed-K requests verify what they drafted, up to K; adaptive requests get the budget solver's answer on
+their online-corrected survivals (through the controller, which keeps sampling lossless), now and then
+an exploration step, and a depth cap where padding every row to the deepest stops paying. The plan
+also sets the break-even survival that drafting reads next step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import numpy as np
+
+from dspark_trt.runtime.solver import cap_depth, marginal_survival
+
+__all__ = ["VerifyPlan", "VerifyPlanner"]
+
+
+class VerifyPlan(NamedTuple):
+    lengths: dict[int, int]  # drafts each request verifies, by request id (absent: none)
+    solver_us: float  # time the controller took
+
+
+class _StepCost:
+    """This step's costs in the shape the controller reads (a verify table and the draft time)."""
+
+    def __init__(self, table: np.ndarray, draft_ms: float):
+        self._table, self._draft_ms = table, draft_ms
+
+    def verify_table(self) -> np.ndarray:
+        return self._table
+
+    def draft_ms(self, batch: int) -> float:
+        return self._draft_ms
+
+
+class VerifyPlanner:
+    """Call order: ``plan(batch, drafted, cost)`` once per step, after drafting."""
+
+    def __init__(self, max_draft: int, tuning, controller, correction, costs):
+        self.max_draft, self.tuning, self.controller, self.correction, self.costs = (
+            max_draft, tuning, controller, correction, costs)
+        self._unverified_steps = 0
+
+    def plan(self, batch, drafted, cost) -> VerifyPlan:
+        decode, drafts, draft_ms = batch.decode, drafted.drafts, drafted.engine_ms
+        lengths: dict[int, int] = {}
+        adaptive = []
+        for r in decode:
+            if r.id not in drafts:
+                continue
+            n = len(drafts[r.id].tokens)
+            if r.mode.kind == "fixed":
+                lengths[r.id] = min(r.mode.k, n)
+            elif r.mode.kind == "adaptive":
+                adaptive.append(r)
+        if not adaptive:
+            return VerifyPlan(lengths, 0.0)
+        # Survivals as lists, not arrays: for a few requests the controller plans in plain Python
+        # (solver.SMALL_SLOTS), where every numpy call would cost more than its arithmetic. Caps as int64,
+        # which the controller takes without converting.
+        K = self.max_draft
+        rows = [drafts[r.id].corrected for r in adaptive]
+        caps = np.fromiter((len(s) for s in rows), dtype=np.int64, count=len(rows))
+        live = [s + [0.0] * (K - len(s)) for s in rows]
+        fixed_ms = draft_ms + cost.overhead("spec")
+        t = time.perf_counter_ns()
+        others = len(decode) - len(adaptive) + sum(lengths.values())
+        table = cost.verify_table(others, len(decode))
+        plan = self.controller.plan(live, [r.id for r in adaptive], [r.sampling for r in adaptive],
+                                    _StepCost(table, fixed_ms), len(adaptive), caps=caps)
+        solver_us = (time.perf_counter_ns() - t) / 1e3
+        exploring = False
+        if self.correction is not None:
+            # Exploration: survivals that are too pessimistic admit nothing, and then verification never
+            # shows that they are wrong. Now and then verify the first draft of every request regardless
+            # (a decision independent of the drafts, so sampling stays lossless).
+            self._unverified_steps = self._unverified_steps + 1 if not plan.any() else 0
+            if self._unverified_steps >= self.tuning.correction.explore_every:
+                self._unverified_steps = 0
+                plan = np.minimum(caps, 1)
+                exploring = True
+        if not exploring and plan.any() and self.costs.shape is not None:
+            plan = self._cap_depth(plan, live, decode, lengths, drafts, fixed_ms, cost)
+        plan = plan.tolist()
+        for r, L in zip(adaptive, plan):
+            lengths[r.id] = L
+        # Drafting further than the solver admits is wasted work: stop drafting next step once a
+        # request's survival falls well below the weakest slot admitted now. Any stopping rule keeps
+        # sampling lossless (it only removes later slots, which never outrank earlier ones).
+        admitted = sum(sum(s[:L]) for s, L in zip(rows, plan))
+        self.costs.break_even = marginal_survival(len(adaptive), admitted, sum(plan), table, fixed_ms,
+                                                  span=max(self.tuning.break_even_span, len(decode)))
+        return VerifyPlan(lengths, solver_us)
+
+    def _cap_depth(self, plan: np.ndarray, live: list, decode: list, fixed: dict, drafts: dict,
+                   fixed_ms: float, cost) -> np.ndarray:
+        """Cap adaptive verify lengths where padding every row to the deepest stops paying (solver.cap_depth)."""
+        shape = self.costs.shape
+        rows = len(decode)
+        fixed_tokens, fixed_deep = sum(fixed.values()), max(fixed.values(), default=0)
+        deepest = max(int(plan.max()), fixed_deep)
+        if len(plan) == rows and deepest <= -(-int(plan.sum()) // rows):
+            # Every row adaptive and the depths as even as they can be: the solver's table priced exactly
+            # this shape, and every capped allocation costs at least its even spread, which the solver
+            # already weighed; so no cap can do better.
+            return plan
+        base = rows + sum(float(np.sum(drafts[rid].corrected[:L])) for rid, L in fixed.items() if L)
+
+        def call_ms(extra: int, depth: int) -> float:
+            return shape.ms(rows + fixed_tokens + extra, rows, 1 + max(depth, fixed_deep), cost.past)
+
+        d = cap_depth(plan, live, call_ms, fixed_ms, base)
+        return np.minimum(plan, d)

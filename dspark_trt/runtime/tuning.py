@@ -1,0 +1,341 @@
+"""Every tuning value of the runtime, in one frozen dataclass.
+
+``Runtime.load(..., tuning=RuntimeTuning(...))`` takes one; the defaults are what the runtime ran with
+before the values were gathered here. Each field's docstring says what it trades off; ``docs/tuning.md``
+is generated from them (``python scripts/tuning_doc.py``; a test fails when it is stale).
+Change a value for an experiment with ``dataclasses.replace``; never by patching modules.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+import textwrap
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from dspark_trt.errors import DsparkError
+
+__all__ = ["CorrectionTuning", "DriftTuning", "GuardTuning", "ProfileTuning", "RuntimeTuning", "tuning_markdown"]
+
+
+@dataclass(frozen=True)
+class GuardTuning:
+    """The measured guard on speculating at all (spec_guard.py)."""
+
+    enabled: bool = True
+    """Let measured rates overrule the cost model near a tie. Off: the model alone decides whether to
+    draft, with no trials of the other arm (no trial cost, no protection from a wrong model)."""
+
+    trial_len: int = 8
+    """Steps of one trial of the arm the guard is not running. Longer trials measure the other arm
+    better and cost more output when it is the slower one."""
+
+    min_every: int = 48
+    """Fewest steps between trials, however close the arms are: bounds the share of steps spent on
+    trials of the slower arm."""
+
+    max_every: int = 1000
+    """Most steps between trials, however far apart the arms are: bounds how long a change of the
+    workload can go unnoticed."""
+
+    first: int = 16
+    """Steps of the model's arm before the first trial of the other in a new load bucket."""
+
+    loss_budget: float = 0.01
+    """Expected share of output the trials may cost; trial spacing grows with the measured gap to keep
+    to it. Smaller: fewer trials, slower to notice a change."""
+
+    margin: float = 0.03
+    """How much faster the other arm must be to take over. Switching into drafting costs a draft
+    catch-up, so following a model that flips near a tie costs more than either arm."""
+
+    z: float = 2.0
+    """Standard errors of the rate difference added to the margin. At 16 requests one step's output is
+    noisy enough that one standard error flipped the guard to plain decoding for whole runs."""
+
+    alpha: float = 0.05
+    """Weight of one step in an arm's running sums (~1/alpha steps of memory, across trials)."""
+
+
+@dataclass(frozen=True)
+class DriftTuning:
+    """Online drift correction of the profiled cost tables (costs/table.py)."""
+
+    alpha: float = 0.1
+    """Weight of one observed call in the log-ratio observed/profiled. Larger follows a changing machine
+    faster and lets single slow calls move the tables more."""
+
+    max_step: float = 0.06
+    """Largest change of the log correction per observation: one 10x outlier cannot wreck the table."""
+
+    bound_low: float = 0.25
+    """Smallest correction factor applied to the profile."""
+
+    bound_high: float = 4.0
+    """Largest correction factor applied to the profile."""
+
+    residual_rate: float = 0.25
+    """Learning rate of the per-size residual relative to the global term. Slower residuals keep the
+    overshoot small that a size observed only while the global term catches up would keep."""
+
+    shape_alpha: float = 0.05
+    """Weight of one observed target call in the call-shape model's drift (per call width)."""
+
+
+@dataclass(frozen=True)
+class CorrectionTuning:
+    """Online recalibration of the draft's survivals from verification outcomes (survival_correction.py)."""
+
+    enabled: bool = True
+    """Correct survivals online. Off: the solver trusts the head's offline calibration as is."""
+
+    damping: float = 2.0
+    """Pseudo-curvature added to the Newton step: keeps the first steps finite; larger moves slower."""
+
+    forget: float = 0.02
+    """Fraction of the curvature sum dropped per step: memory of ~1/forget steps, so the shift keeps
+    tracking a changing workload at the price of more noise."""
+
+    max_step: float = 0.5
+    """Largest change of a position's logit shift per step."""
+
+    bound: float = 5.0
+    """Limit of a logit shift (a factor e^bound on the odds)."""
+
+    warmup: int = 8
+    """Observations of a position before its shift is applied (until then it is only learned)."""
+
+    observe_batch: int = 32
+    """Verification outcomes buffered before the correction learns from them: one vectorised update over
+    more rows instead of a numpy round per step, at the price of a slightly staler correction."""
+
+    explore_every: int = 8
+    """When the solver admits no draft this many steps running, verify one draft per request anyway:
+    survivals that are too pessimistic would otherwise never be shown wrong. Smaller recovers sooner
+    and wastes more verify work where drafting truly does not pay."""
+
+
+@dataclass(frozen=True)
+class ProfileTuning:
+    """Measuring the step-cost profile at start-up or with `dspark-trt profile` (costs/profiling.py)."""
+
+    repeats: int = 3
+    """Timed repeats per point at start-up (the median is kept; `dspark-trt profile --repeats` sets its
+    own). More repeats resist a noisy machine and make start-up slower."""
+
+    past: int = 128
+    """Cached tokens per row in the profile's calls (the call-shape model also measures other pasts)."""
+
+    cheap_ms: float = 5.0
+    """Calls faster than this are timed several times per measurement (their median), so every point
+    weighs about this much work: a call of a millisecond is at the mercy of one scheduler hiccup."""
+
+    max_inner: int = 7
+    """Most timings of one cheap call per measurement."""
+
+    shape_rounds: int = 3
+    """Round-robin rounds (at least) over the call shapes the call-shape model is fitted to. More rounds
+    resist a loaded machine and make profiling slower."""
+
+    shape_quantile: float = 25.0
+    """Percentile of a call shape's timings kept: preemption by other processes only ever adds time, so a
+    low quantile keeps one slowed-down shape from pulling the whole fit off."""
+
+
+@dataclass(frozen=True)
+class RuntimeTuning:
+    """Every knob of the runtime's scheduling; see docs/tuning.md for the generated list."""
+
+    prefill_chunk: int = 256
+    """Most prompt tokens of one request fed in one call (target or draft catch-up). Larger finishes
+    prompts in fewer steps and makes a step that carries one slower for everyone decoding in it."""
+
+    prefill_batching: bool = True
+    """Arriving prompts may wait a few steps to share a prefill call (prefill_batching.py)."""
+
+    prefill_max_wait: int = 4
+    """Steps a prompt may wait for company, whatever the model says: a bound on added latency."""
+
+    cost_observe_every: int = 4
+    """Feed one step in this many to the cost tables' drift correction. The correction moves slowly
+    anyway; every feed costs a table rebuild."""
+
+    plan_every: int = 8
+    """Steps a draft-depth plan is reused per batch shape before it is made again."""
+
+    plan_headroom: int = 1
+    """Draft steps planned beyond the prior's optimum, so live survivals can ask for more. More headroom
+    drafts tokens the solver may not verify."""
+
+    probe_every: int = 8
+    """When drafting does not pay, still draft one token every this many steps, so the survival profile
+    keeps tracking the workload. Smaller tracks sooner and spends more on drafts that are not used."""
+
+    probe_requests: int = 4
+    """Adaptive requests (in turn) that draft in a probe step: enough to track the profile; a draft
+    call's cost grows with its batch."""
+
+    call_test: bool = True
+    """Make a further draft call only if its expected surplus pays for its time at the recent output
+    rate. Off: a request drafts on while its own next survival clears the break-even."""
+
+    stop_factor: float = 1.0
+    """Keep drafting while the next survival is predicted above this times the last break-even
+    survival. Larger stops drafting earlier (fewer wasted drafts, fewer chances)."""
+
+    guard_tie: float = 0.2
+    """Where the model says drafting loses by less than this fraction, the measured guard decides."""
+
+    guard_sure: float = 0.25
+    """Where the model says drafting wins by more than this fraction, no trials of plain decoding run:
+    a trial would cost a share of its steps' output for a decision that is not close."""
+
+    break_even_span: int = 4
+    """Fewest verified tokens the break-even survival averages the marginal cost over (the runtime spans
+    at least a layer of the call: one more token for every decode row)."""
+
+    rate_alpha: float = 0.1
+    """Weight of one step in the recent output rate (tokens per ms), the value of a millisecond."""
+
+    arrivals_alpha: float = 0.1
+    """Weight of one step in the recent prompts admitted per step (prefill batching)."""
+
+    overhead_alpha: float = 0.05
+    """Weight of one step in the unpriced step overhead by load (costs/overhead.py); the first 1/alpha
+    steps of a kind and load are a plain mean, so one slow first step does not dominate for long."""
+
+    prior_acceptance: float = 0.7
+    """Per-position acceptance of the survival profile before any step is seen (S_k = p^k)."""
+
+    prior_decay: float = 1 / 256
+    """Weight of one request's step in the running survival profile (~1/prior_decay rows of memory)."""
+
+    guard: GuardTuning = field(default_factory=GuardTuning)
+    """The measured guard on speculating at all."""
+
+    drift: DriftTuning = field(default_factory=DriftTuning)
+    """Online drift correction of the cost tables."""
+
+    correction: CorrectionTuning = field(default_factory=CorrectionTuning)
+    """Online recalibration of survivals."""
+
+    profile: ProfileTuning = field(default_factory=ProfileTuning)
+    """Measuring the step-cost profile."""
+
+    def validate(self) -> "RuntimeTuning":
+        """Raise DsparkError naming the first field out of range; return self."""
+        for owner, name, value in _leaves(self):
+            bad = _check(owner, name, value)
+            if bad:
+                raise DsparkError(f"tuning {name} = {value!r}: {bad}")
+        return self
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RuntimeTuning":
+        """From a (possibly partial) dict of field names, sub-dataclasses as nested dicts."""
+        return _build(cls, data, "").validate()
+
+    @classmethod
+    def from_json(cls, path_or_text) -> "RuntimeTuning":
+        """From a JSON file path or a JSON text."""
+        text = str(path_or_text)
+        if not text.lstrip().startswith("{"):
+            try:
+                text = Path(text).read_text()
+            except OSError as e:
+                raise DsparkError(f"cannot read tuning file {path_or_text}: {e.strerror}") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DsparkError(f"tuning JSON is not valid: {e}") from None
+        if not isinstance(data, dict):
+            raise DsparkError("tuning JSON must be an object of field names")
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+_SUBS = {"guard": GuardTuning, "drift": DriftTuning, "correction": CorrectionTuning, "profile": ProfileTuning}
+_FRACTIONS = {"alpha", "loss_budget", "forget", "rate_alpha", "arrivals_alpha", "overhead_alpha",
+              "prior_acceptance", "prior_decay", "residual_rate", "shape_alpha", "bound_low"}
+
+
+def _build(cls, data: dict, prefix: str):
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise DsparkError(f"unknown tuning field {prefix}{unknown[0]}; known: {', '.join(sorted(names))}")
+    kwargs = {}
+    for k, v in data.items():
+        sub = _SUBS.get(k) if cls is RuntimeTuning else None
+        if sub is not None:
+            if not isinstance(v, dict):
+                raise DsparkError(f"tuning {k} must be an object of field names")
+            v = _build(sub, v, f"{k}.")
+        kwargs[k] = v
+    return cls(**kwargs)
+
+
+def _leaves(t, prefix: str = ""):
+    for f in fields(t):
+        v = getattr(t, f.name)
+        if dataclasses.is_dataclass(v):
+            yield from _leaves(v, f"{prefix}{f.name}.")
+        else:
+            yield type(t), prefix + f.name, v
+
+
+def _check(owner, name: str, value) -> str | None:
+    base = name.rsplit(".", 1)[-1]
+    kind = {f.name: f.type for f in fields(owner)}[base]
+    if kind == "bool":
+        return None if isinstance(value, bool) else "must be true or false"
+    if kind == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+        return "must be a whole number"
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float)) or value != value):
+        return "must be a number"
+    if base in _FRACTIONS:
+        return None if 0 < value <= 1 else "must be in (0, 1]"
+    if base in ("z", "margin", "guard_tie", "guard_sure", "plan_headroom"):
+        return None if value >= 0 else "must be >= 0"
+    if base == "bound_high":
+        return None if value >= 1 else "must be >= 1"
+    return None if value > 0 else "must be > 0"
+
+
+# ------------------------------------------------------------------------------------------ the doc
+
+def _field_docs(cls) -> dict[str, str]:
+    """Field docstrings (the string literal after each field) from the class source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body, docs = tree.body[0].body, {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _default(cls, f) -> str:
+    v = getattr(cls(), f.name)
+    return f"`{json.dumps(v)}`" if not dataclasses.is_dataclass(v) else "see below"
+
+
+def tuning_markdown() -> str:
+    """docs/tuning.md: every field, its default and what it trades off."""
+    out = ["# Runtime tuning", "",
+           "Generated from `dspark_trt/runtime/tuning.py` by `python scripts/tuning_doc.py`;",
+           "a test fails when this file is stale. Pass `Runtime.load(..., tuning=RuntimeTuning(...))` or",
+           "`RuntimeTuning.from_json(path)`; nested groups as JSON objects (`{\"guard\": {\"margin\": 0.05}}`).", ""]
+    for cls, title in ((RuntimeTuning, "RuntimeTuning"), (GuardTuning, "guard"), (DriftTuning, "drift"),
+                       (CorrectionTuning, "correction"), (ProfileTuning, "profile")):
+        out += [f"## {title}", "", " ".join(cls.__doc__.split()), "", "| field | default | what it trades off |",
+                "|---|---|---|"]
+        docs = _field_docs(cls)
+        out += [f"| `{f.name}` | {_default(cls, f)} | {docs.get(f.name, '')} |" for f in fields(cls)]
+        out.append("")
+    return "\n".join(out)
+

@@ -1,0 +1,138 @@
+"""The step phases on their own (runtime/phases/): admission, depth planning, verify planning, commit.
+
+Pure Python and numpy, no engines: each phase is built from its parts and driven through its public
+methods; the whole step is covered by test_runtime.py.
+"""
+
+from __future__ import annotations
+
+import queue
+from dataclasses import replace
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from dspark_trt.runtime.config import GenerationConfig, parse_spec
+from dspark_trt.runtime.controller import AdaptiveController
+from dspark_trt.runtime.costs.step import Costs
+from dspark_trt.runtime.costs.table import CostTable
+from dspark_trt.runtime.metrics import Metrics
+from dspark_trt.runtime.phases.admission import Admission, QueueFullError
+from dspark_trt.runtime.phases.commit import Committer
+from dspark_trt.runtime.phases.depth_planner import DepthPlanner
+from dspark_trt.runtime.phases.drafter import Draft, DraftRound
+from dspark_trt.runtime.phases.verifier import VerifyResult
+from dspark_trt.runtime.phases.verify_planner import VerifyPlanner
+from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.spec_guard import SpecGuard
+from dspark_trt.runtime.tuning import RuntimeTuning
+
+K = 4
+
+
+def request(rid: int, prompt=(1, 2, 3), spec="adaptive", **cfg) -> Request:
+    config = GenerationConfig(spec=spec, **cfg)
+    return Request(rid, list(prompt), config, parse_spec(spec, K), K)
+
+
+def admission(max_batch=2, max_queue=None, tuning=RuntimeTuning()):
+    metrics = Metrics(K)
+    return Admission(4, max_batch, max_queue, tuning, Costs(64, K), 256, metrics), metrics
+
+
+# ------------------------------------------------------------------------------------------ admission
+
+def test_admission_fills_free_slots_and_splits_decode_from_prefill():
+    adm, metrics = admission(max_batch=2)
+    assert adm.admit() is None  # nothing queued: no step
+    decoding = request(0, prompt=[5])  # one uncached token: it decodes
+    for r in (decoding, request(1, prompt=[1, 2, 3]), request(2)):
+        with adm.lock:
+            adm.enqueue(r)
+    batch = adm.admit()
+    assert [r.id for r in batch.decode] == [0] and [r.id for r in batch.prefill] == [1]
+    assert batch.n_adaptive == 1 and batch.past == 0 and not batch.held
+    assert metrics.queue_depth == 1 and adm.busy()  # request 2 waits for a slot
+
+
+def test_admission_finishes_cancelled_requests_and_bounds_the_queue():
+    adm, _ = admission(max_batch=1, max_queue=1)
+    first, second = request(0), request(1)
+    with adm.lock:
+        adm.check_room()
+        adm.enqueue(first)
+        with pytest.raises(QueueFullError):
+            adm.check_room()
+    first.cancelled = True
+    assert adm.admit() is None and first.finish_reason == "cancelled"
+    with adm.lock:
+        adm.enqueue(second)
+    assert adm.admit().prefill == [second]
+    adm.fail_all("stopped")
+    assert second.finish_reason == "error" and second.error == "stopped" and not adm.busy()
+
+
+# -------------------------------------------------------------------------------------- depth planner
+
+def depth_planner(tuning=RuntimeTuning(), guard=None):
+    return DepthPlanner(K, tuning, AdaptiveController(), guard)
+
+
+def test_without_a_cost_profile_adaptive_requests_may_draft_to_the_limit():
+    costs = Costs(64, K)
+    batch = SimpleNamespace(n_adaptive=2, decode=[object(), object()])
+    assert depth_planner().plan(batch, costs.for_step(2, 0)).steps == K
+
+
+def test_where_the_model_is_sure_drafting_pays_the_guard_is_not_asked():
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))
+    guard = SpecGuard()
+    plan = depth_planner(guard=guard).plan_for(4, 4, costs.for_step(4, 0))
+    assert plan.steps > 0 and plan.arm is None and not plan.probing and not guard.report()
+    headroom = depth_planner(replace(RuntimeTuning(), plan_headroom=0)).plan_for(4, 4, costs.for_step(4, 0))
+    assert headroom.steps == plan.steps - 1 or plan.steps == K
+
+
+# ------------------------------------------------------------------------------------- verify planner
+
+def test_fixed_requests_verify_what_they_drafted_up_to_k_and_adaptive_ones_what_the_solver_admits():
+    costs = Costs(64, K)
+    planner = VerifyPlanner(K, RuntimeTuning(), AdaptiveController(), None, costs)
+    fixed, adaptive, off = request(0, spec="fixed:2"), request(1), request(2, spec="off")
+    drafts = {0: Draft([7, 8, 9], [], np.ones(3, np.float32), [0.9, 0.8, 0.7]),
+              1: Draft([7, 8], [], np.ones(2, np.float32), [0.99, 0.98])}
+    batch = SimpleNamespace(decode=[fixed, adaptive, off])
+    plan = planner.plan(batch, DraftRound(drafts, 0.0, 0.0, 0.0), costs.for_step(3, 0))
+    assert plan.lengths[0] == 2 and 2 not in plan.lengths
+    assert 0 <= plan.lengths[1] <= 2 and plan.solver_us >= 0
+    assert costs.break_even >= 0.0  # set for the next step's drafting
+
+
+# ---------------------------------------------------------------------------------------------- commit
+
+class _Tok:
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+
+def test_commit_appends_accepted_drafts_and_the_targets_token_and_stops_where_asked():
+    adm, metrics = admission(max_batch=4)
+    committer = Committer(_Tok(), eos_ids=[99], max_context=64, metrics=metrics, admission=adm)
+    r = request(0, prompt=[1], max_new_tokens=10)
+    r.pieces = queue.Queue()
+    s = request(1, prompt=[1], max_new_tokens=10)
+    for i, x in enumerate((r, s)):
+        x.slot, adm.slots[i] = i, x
+    drafts = {0: Draft([5, 6, 7], [], np.ones(3, np.float32), [0.9, 0.8, 0.7]),
+              1: Draft([99, 4], [], np.ones(2, np.float32), [0.9, 0.8])}
+    result = VerifyResult([r, s], [], np.array([3, 2]), np.array([2, 1]), np.array([8, 3]), [4, 3], [0, 0], 1,
+                          0.0, 0.0, 7, 7, 0.0)
+    committer.commit(SimpleNamespace(decode=[r, s]), DraftRound(drafts, 0.0, 0.0, 0.0), result)
+    assert r.generated_ids == [5, 6, 8] and r.pieces.get_nowait() == [5, 6, 8] and not r.finished
+    assert r.target_len == 3 and r.stats.accepted_per_position[:3] == [1, 1, 0]
+    assert s.generated_ids == [99] and s.finish_reason == "stop"  # the EOS among the accepted drafts
+    assert adm.slots[1] is None and metrics.requests_finished == 1 and metrics.output_tokens == 4
+    committer.extend(r, list(range(20, 40)), 0.0)
+    assert len(r.generated_ids) == 10 and r.finish_reason == "length"

@@ -1,0 +1,69 @@
+"""RuntimeTuning: one frozen dataclass holds every runtime knob; docs/tuning.md is generated from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.tuning import GuardTuning, RuntimeTuning, tuning_markdown
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "tuning.md"
+
+
+def test_docs_tuning_md_is_generated_from_the_dataclass():
+    assert DOC.read_text() == tuning_markdown(), (
+        "docs/tuning.md is stale: run `python scripts/tuning_doc.py`")
+
+
+def test_every_field_has_a_docstring_in_the_doc():
+    text = tuning_markdown()
+    for cls in (RuntimeTuning, GuardTuning):
+        for f in dataclasses.fields(cls):
+            row = next(line for line in text.splitlines() if line.startswith(f"| `{f.name}` |"))
+            assert len(row.rsplit("|", 2)[-2].strip()) > 20, f"{f.name} has no docstring"
+
+
+def test_tuning_is_frozen_and_changed_with_replace():
+    t = RuntimeTuning()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.probe_every = 3
+    u = dataclasses.replace(t, probe_every=3, guard=dataclasses.replace(t.guard, margin=0.1))
+    assert (u.probe_every, u.guard.margin, t.probe_every) == (3, 0.1, 8)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"probe_every": 0}, "probe_every"),
+    ({"rate_alpha": 1.5}, "rate_alpha"),
+    ({"call_test": 1}, "call_test"),
+    ({"guard": {"z": -1.0}}, "guard.z"),
+    ({"drift": {"bound_high": 0.5}}, "drift.bound_high"),
+])
+def test_validate_names_the_field_out_of_range(change, message):
+    with pytest.raises(DsparkError, match=message.replace(".", r"\.")):
+        RuntimeTuning.from_dict(change)
+
+
+def test_from_json_reads_a_file_or_text_with_nested_groups(tmp_path):
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps({"plan_every": 4, "correction": {"enabled": False}}))
+    t = RuntimeTuning.from_json(path)
+    assert t.plan_every == 4 and t.correction.enabled is False and t.guard == GuardTuning()
+    assert RuntimeTuning.from_json('{"guard": {"first": 3}}').guard.first == 3
+    with pytest.raises(DsparkError, match="unknown tuning field guard.firs"):
+        RuntimeTuning.from_json('{"guard": {"firs": 3}}')
+    assert RuntimeTuning.from_dict(t.to_dict()) == t
+
+
+def test_runtime_load_takes_a_tuning(tiny_artifact):
+    from dspark_trt.runtime import Runtime
+
+    t = dataclasses.replace(RuntimeTuning(), correction=dataclasses.replace(RuntimeTuning().correction, enabled=False))
+    rt = Runtime.load(tiny_artifact, profile="none", tuning=t)
+    try:
+        assert rt.tuning is t and rt.survival_correction is None
+    finally:
+        rt.close()
