@@ -322,6 +322,6 @@ class Runtime:
         result = self.verifier.run(batch, drafted, plan)
         if result is None:
             return True
-        self.committer.commit(batch, drafted, result)
+        self.committer.commit(batch, drafted, result, plan)
         self.learner.learn(batch, depth, drafted, plan, result)  # after commit: it times the whole step
         return True

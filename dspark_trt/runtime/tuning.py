@@ -205,6 +205,13 @@ class RuntimeTuning:
     profile's largest size), like vLLM's cap on a step's logits. 0: the engine's limit only. Smaller
     bounds a step's latency at high load at the price of fewer verified drafts."""
 
+    explain_window: int = 64
+    """Steps summed before predicted and measured (expected vs accepted drafts, modelled vs measured step
+    ms) are compared for the one warning that says they disagree (runtime/explain.py)."""
+
+    explain_tolerance: float = 0.25
+    """Relative gap between predicted and measured, over a whole window, that earns the warning."""
+
     prior_acceptance: float = 0.7
     """Per-position acceptance of the survival profile before any step is seen (S_k = p^k)."""
 
