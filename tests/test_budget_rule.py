@@ -138,3 +138,27 @@ def test_the_solver_respects_a_global_budget_cap_and_is_optimal_under_it():
         assert L.sum() == best
     with pytest.raises(ValueError, match="whole number"):
         solve_budget(np.full((1, K), 0.5), np.arange(10.0), max_budget=1.5)
+
+
+def test_the_draft_depth_counts_every_decode_row_too():
+    """Before drafting, the depth planner weighs a depth by the step's output per ms; rows that do not
+    draft adaptively emit their token at every depth, so they belong in its numerator as in the budget's."""
+    from dspark_trt.runtime.phases.depth_planner import DepthPlanner
+
+    n_decode, n_adaptive = 8, 1
+    costs = Costs(256, K)
+    costs.table = CostTable(np.concatenate([[0.0], 10.0 + np.arange(1, 60, dtype=float)]),
+                            np.concatenate([[0.0], np.full(9, 2.5)]))
+    tuning = replace(RuntimeTuning(), plan_headroom=0)
+    planner = DepthPlanner(K, tuning, AdaptiveController(), None)
+    got = planner.plan_for(n_adaptive, n_decode, costs.for_step(n_decode, 0)).steps
+    prof = RuntimeTuning.prior_acceptance ** np.arange(1, K + 1)
+    cum = np.concatenate([[0.0], np.cumsum(prof)])
+    j = np.arange(K + 1)
+    cost = j * 2.5 + costs.table.verify_ms(n_decode + n_adaptive * j)
+
+    def depth(N):
+        return int(np.argmax((N + n_adaptive * cum) / cost))
+
+    assert depth(n_adaptive) != depth(n_decode)  # counting only the drafting rows would draft deeper
+    assert got == depth(n_decode)

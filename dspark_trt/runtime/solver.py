@@ -414,20 +414,21 @@ def marginal_survival(requests: int, admitted_sum: float, budget: int, table: np
     return max(0.0, rate * (table_lookup(table, t + span) - table_lookup(table, t)) / span)
 
 
-def best_draft_depth(profile, n_adaptive: int, verify_ms, draft_ms: float, plain_ms: float, spec_ms: float
-                     ) -> tuple[int, float]:
+def best_draft_depth(profile, n_adaptive: int, verify_ms, draft_ms: float, plain_ms: float, spec_ms: float,
+                     others: float = 0.0) -> tuple[int, float]:
     """(best draft depth j, its drafting rate over the plain rate) before anything is drafted.
 
     With n_adaptive requests expected to keep j drafts each (survival `profile`, length K), output per
     ms is ``n (1 + sum_{i<j} S_i) / (overhead_j + j draft_ms + verify_ms[j])`` (verify_ms: K + 1 costs of
     the verify call at depth j; overhead_j: plain_ms for j = 0, spec_ms otherwise). Drafting far past
     the best j is waste. Tokens of requests that do not draft adaptively add the same to every j and
-    belong in verify_ms and the gain's constant.
+    belong in verify_ms and the gain's constant: ``others``, the tokens they emit (N counts every row
+    that emits a token, as in the budget solver).
     """
     prof = np.asarray(profile, dtype=np.float64)
     k = prof.size
     j = np.arange(k + 1)
-    gain = n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
+    gain = float(others) + n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
     cost = np.where(j > 0, spec_ms, plain_ms) + j * float(draft_ms) + np.asarray(verify_ms, dtype=np.float64)
     rate = gain / np.maximum(cost, 1e-9)
     ratio = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0
