@@ -79,7 +79,7 @@ class Explainer:
                        f"(re-measure it with `dspark-trt profile`)")
         if off:
             self.warned = True
-            self.log.warning("adaptive verification over the last %d steps: %s", self.steps, "; ".join(off))
+            self.log.warning("predicted vs measured over the last %d steps: %s", self.steps, "; ".join(off))
 
 
 def _pct(predicted: float, measured: float) -> str:
