@@ -160,9 +160,38 @@ def test_online_recalibration_rescues_an_underconfident_draft(tiny_artifact):
         finally:
             rt.close()
     assert all(o.stats["tau"] == 1.0 for o in out[False])
-    assert corr.seen[0] > 50 and corr.shift[0] > 2.0
+    # The draft's raw first survival is about 0.02 (a random model's max probability); corrected, it says
+    # what verification saw: position 1 is usually accepted.
+    assert corr.seen[0] > 50 and corr.apply(np.array([[0.02]]))[0, 0] > 0.6
     assert np.mean([o.stats["tau"] for o in out[True]]) > 1.05  # issue 22: recovery is still slow
     assert [o.token_ids for o in out[True]] == [o.token_ids for o in out[False]]
+
+
+def test_without_a_head_the_corrected_survivals_become_calibrated(tiny_artifact):
+    """The test pair is exported without a confidence head: its survivals are products of the draft's max
+    probabilities, far below what the target accepts. The online fit (per-position intercepts and a shared
+    slope on logit(q_max), issue 22 item 4) learns from verification; on later text the expected accepted
+    drafts (its corrected survivals over the verified slots) match those accepted. Fixed K verifies every
+    draft, so every position is seen."""
+    prompts = ["def fib(n):", "import os\n", "class Foo:", "x = [", "for i in range(10):", "print("]
+    cfg = GenerationConfig(max_new_tokens=128, spec="fixed:4")
+    for recal in (True, False):
+        rt = Runtime.load(tiny_artifact, profile="none", recalibrate=recal)
+        try:
+            assert rt.manifest["draft"]["confidence"] == "fallback"
+            rt.generate(prompts, cfg)  # learn
+            out = rt.generate([p + " " for p in prompts], cfg)
+            corr = rt.survival_correction
+        finally:
+            rt.close()
+        predicted = sum(o.stats["predicted_accepted"] for o in out)
+        accepted = sum(o.stats["accepted"] for o in out)
+        assert accepted > 100
+        if recal:
+            assert corr.fit_slope and corr.slope != 1.0
+            assert abs(predicted - accepted) < 0.3 * accepted
+        else:
+            assert predicted < 0.1 * accepted  # raw max probabilities
 
 
 def _depths(rt, n_adaptive, n_decode, steps):

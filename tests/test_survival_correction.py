@@ -112,3 +112,71 @@ def test_one_position_at_a_time_equals_the_whole_row():
             assert prev == pytest.approx(want[r, k], rel=1e-9, abs=1e-12)
     assert SurvivalCorrection(3).active_shifts() is None  # nothing learned: survivals pass through
     assert SurvivalCorrection.corrected_next(None, 0, 1.0, 0.4, 1.0) == 0.4
+
+
+# ------------------------------------------------------------------------------ drafters without a head
+
+def _headless_steps(rng, steps, requests=16, K=4, slope=0.4, intercepts=(3.0, 2.6, 2.2, 1.8)):
+    """Max probabilities of a draft without a head (tiny, a spread of logits around -5) whose true
+    acceptance is sigmoid(a_k + slope * logit(q_max)): the raw cumprod of q_max is no survival at all."""
+    for _ in range(steps):
+        x = rng.normal(-5.0, 1.5, (requests, K))
+        q = 1.0 / (1.0 + np.exp(-x))
+        p = 1.0 / (1.0 + np.exp(-(np.asarray(intercepts)[None, :] + slope * x)))
+        ok = rng.random((requests, K)) < p
+        accepted = np.where(ok.all(axis=1), K, np.argmin(ok, axis=1))
+        yield np.cumprod(q, axis=1), np.full(requests, K), accepted, p
+
+
+def _ece(conf, outcome, bins=10):
+    conf, outcome = np.asarray(conf), np.asarray(outcome, dtype=float)
+    idx = np.minimum((conf * bins).astype(int), bins - 1)
+    return sum(abs(conf[idx == b].mean() - outcome[idx == b].mean()) * (idx == b).mean()
+               for b in range(bins) if (idx == b).any())
+
+
+def _calibration(corr, rng, steps=600):
+    """ECE of the corrected conditional confidences at the reached positions of fresh steps, raw ECE too."""
+    fitted, raw, outcomes = [], [], []
+    for s, L, a, _ in _headless_steps(rng, steps):
+        c_fit, c_raw = conditional(corr.apply(s)), conditional(s)
+        k = np.arange(s.shape[1])[None, :]
+        reached = k < np.minimum(a + 1, L)[:, None]
+        fitted += c_fit[reached].tolist()
+        raw += c_raw[reached].tolist()
+        outcomes += (k < a[:, None])[reached].tolist()
+    return _ece(fitted, outcomes), _ece(raw, outcomes)
+
+
+def test_without_a_head_the_slope_and_intercepts_make_max_probabilities_calibrated():
+    rng = np.random.default_rng(52228)
+    corr = SurvivalCorrection(4, fit_slope=True)
+    for s, L, a, _ in _headless_steps(rng, 600):
+        corr.observe(s, L, a)
+    fitted, raw = _calibration(corr, rng)
+    assert raw > 0.3 and fitted < 0.03
+    assert 0.25 < corr.slope < 0.6  # the true slope is 0.4
+    shift_only = SurvivalCorrection(4)  # a per-position shift alone (bounded): not enough here
+    for s, L, a, _ in _headless_steps(np.random.default_rng(52228), 600):
+        shift_only.observe(s, L, a)
+    assert _calibration(shift_only, np.random.default_rng(1))[0] > 2 * fitted
+    assert shift_only.slope == 1.0
+
+
+def test_the_fitted_slope_keeps_rows_survivals_and_the_one_step_path_equal():
+    rng = np.random.default_rng(4)
+    corr = SurvivalCorrection(4, fit_slope=True)
+    for s, L, a, _ in _headless_steps(rng, 100):
+        corr.observe(s, L, a)
+    assert corr.active_slope() == corr.slope != 1.0
+    s = next(_headless_steps(rng, 1))[0]
+    rows = corr.apply(s)
+    assert (np.diff(rows, axis=1) <= 1e-12).all() and (rows >= 0).all() and (rows <= 1).all()
+    shifts, slope = corr.active_shifts(), corr.active_slope()
+    for r in range(s.shape[0]):
+        prev_raw, prev_c, out = 1.0, 1.0, []
+        for k in range(s.shape[1]):
+            prev_c = SurvivalCorrection.corrected_next(shifts, k, prev_raw, float(s[r, k]), prev_c, slope)
+            prev_raw = float(s[r, k])
+            out.append(prev_c)
+        np.testing.assert_allclose(out, rows[r], rtol=1e-9, atol=1e-12)

@@ -120,15 +120,20 @@ class AdaptiveController:
 
     # -- planning -------------------------------------------------------------------------------------
     def plan(self, live_survival, request_ids: Sequence[Hashable], sampling_mask, cost: CostModel,
-             draft_batch: int, caps=None) -> np.ndarray:
+             draft_batch: int, caps=None, n_emitting=None, max_budget: int | None = None) -> np.ndarray:
         """Verify lengths (R,) for this step. Call once per step.
 
         live_survival: (R, K) this step's survivals. request_ids: R hashable ids (matched across steps,
         order may change). sampling_mask: (R,) bool, True where the request samples (temperature > 0).
         cost: a CostTable (``verify_table()``, ``draft_ms(b)``). draft_batch: requests in this step's
-        draft run. caps: optional (R,) most drafts each request may verify.
+        draft run. caps: optional (R,) most drafts each request may verify. n_emitting: N of the objective,
+        the tokens the step emits whatever B is (default R; the runtime counts every decode row, drafted
+        or not, as vLLM does). max_budget: the most drafts the step may verify over all requests.
         """
-        planned = self._plan_small(live_survival, request_ids, sampling_mask, cost, draft_batch, caps)
+        if max_budget is not None:
+            max_budget = max(0, int(max_budget))
+        planned = self._plan_small(live_survival, request_ids, sampling_mask, cost, draft_batch, caps, n_emitting,
+                                   max_budget)
         if planned is not None:
             return planned
         S = np.asarray(live_survival, dtype=np.float64)
@@ -151,7 +156,7 @@ class AdaptiveController:
         if R == 0:
             lengths = np.zeros(0, np.int64)
         elif not sampling.any():
-            B, _, order = _best(S, capv, table, draft_ms, None)
+            B, _, order = _best(S, capv, table, draft_ms, n_emitting, max_budget)
             lengths = _lengths(order, B, R)
         else:
             sizing = S.copy()
@@ -162,7 +167,7 @@ class AdaptiveController:
                 sizing[rows[known]] = _fit_width(self._rows[old[known]], K)
             if not known.all():
                 sizing[rows[~known]] = self.prior_row(K)
-            budget, _ = best_budget(sizing, table, draft_ms, caps=capv)
+            budget, _ = best_budget(sizing, table, draft_ms, n_emitting, caps=capv, max_budget=max_budget)
             lengths = solve_budget_for_b(S, budget, caps=capv)
         self._remember(S, row_of, capv)
         return lengths
@@ -190,8 +195,8 @@ class AdaptiveController:
                 w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
                 self._mean = (1 - w) * old + w * mean
 
-    def _plan_small(self, live, request_ids, sampling_mask, cost: CostModel, draft_batch: int, caps
-                    ) -> np.ndarray | None:
+    def _plan_small(self, live, request_ids, sampling_mask, cost: CostModel, draft_batch: int, caps,
+                    n_emitting=None, max_budget: int | None = None) -> np.ndarray | None:
         """The greedy plan in pure Python for up to solver.SMALL_SLOTS slots (same answer as the numpy path,
         see solver.solve_small). None when the numpy path must plan: too many slots, a sampling request,
         or input it would repair or reject (it then explains)."""
@@ -212,7 +217,7 @@ class AdaptiveController:
                 return None  # the numpy path validates whole numbers of other types (and explains)
             cap_list = [min(c, K) for c in cap_list]
         draft_ms = float(cost.draft_ms(int(draft_batch))) if draft_batch else 0.0
-        solved = solve_small(rows, cap_list, cost.verify_table(), draft_ms)
+        solved = solve_small(rows, cap_list, cost.verify_table(), draft_ms, n_emitting, max_budget)
         if solved is None:
             return None
         self._remember_rows(rows, row_of, cap_list)

@@ -28,6 +28,12 @@ class Metrics:
         self.verified_per_position = [0] * self.max_draft
         self.budget_hist: dict[int, int] = {}
         self.last_step_ms = 0.0
+        # Predicted vs measured (runtime/explain.py): expected vs accepted drafts over every step with
+        # decode rows; modelled vs measured step ms over those with a cost profile.
+        self.predicted_accepted = 0.0
+        self.accepted = 0
+        self.predicted_step_ms = 0.0
+        self.measured_step_ms = 0.0
         self.last_engine_ms = 0.0
         # Per-step records for offline analysis (hindsight oracle, budgets): bounded.
         self.step_log: deque = deque(maxlen=200_000)
@@ -60,6 +66,15 @@ class Metrics:
             self.last_step_ms, self.last_engine_ms = wall_ms, engine_ms
             self.timeline.append((time.perf_counter(), self.output_tokens))
 
+    def record_prediction(self, predicted_accepted: float, accepted: int, predicted_ms: float | None,
+                          measured_ms: float) -> None:
+        with self._lock:
+            self.predicted_accepted += predicted_accepted
+            self.accepted += accepted
+            if predicted_ms is not None:
+                self.predicted_step_ms += predicted_ms
+                self.measured_step_ms += measured_ms
+
     def snapshot(self) -> dict:
         with self._lock:
             steps = max(1, self.steps)
@@ -82,4 +97,8 @@ class Metrics:
                 "solver_us_per_step": self.solver_us / steps,
                 "step_ms_mean": self.step_ms / steps,
                 "overhead_frac": (self.step_ms - self.engine_ms) / self.step_ms if self.step_ms else 0.0,
+                "predicted_accepted": self.predicted_accepted,
+                "accepted": self.accepted,
+                "predicted_step_ms": self.predicted_step_ms,
+                "measured_step_ms": self.measured_step_ms,
             }

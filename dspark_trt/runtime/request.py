@@ -19,6 +19,13 @@ class RequestStats:
     generated: int = 0
     verified_tokens: int = 0
     drafted_tokens: int = 0
+    # Predicted vs measured over the steps this request decoded in (runtime/explain.py): expected accepted
+    # drafts (its survivals over its verified slots) vs accepted; the steps' modelled ms (with a cost
+    # profile) vs their wall time up to their commit.
+    predicted_accepted: float = 0.0
+    accepted: int = 0
+    predicted_step_ms: float = 0.0
+    measured_step_ms: float = 0.0
     accepted_per_position: list = field(default_factory=list)  # times draft position k was accepted
     verified_per_position: list = field(default_factory=list)  # times draft position k was verified
     t_submit: float = 0.0
@@ -39,6 +46,10 @@ class RequestStats:
             "verified_counts": list(self.verified_per_position),
             "verified_tokens": self.verified_tokens,
             "drafted_tokens": self.drafted_tokens,
+            "predicted_accepted": self.predicted_accepted,
+            "accepted": self.accepted,
+            "predicted_step_ms": self.predicted_step_ms,
+            "measured_step_ms": self.measured_step_ms,
             "tokens_per_s": self.generated / elapsed if elapsed else 0.0,
             "decode_tokens_per_s": (self.generated - 1) / decode_time if decode_time and self.generated > 1 else 0.0,
             "time_to_first_token_s": (self.t_first - self.t_submit) if self.t_first else None,

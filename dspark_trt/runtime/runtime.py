@@ -96,8 +96,10 @@ class Runtime:
         # The running survival profile and the stale rows that keep sampling lossless (controller.py).
         self.controller = AdaptiveController(prior_decay=t.prior_decay, prior_acceptance=t.prior_acceptance)
         c = t.correction
+        # Without a confidence head the survivals are max probabilities: fit a slope on them too.
         self.survival_correction = (SurvivalCorrection(self.max_draft, c.damping, c.forget, c.max_step, c.bound,
-                                                       c.warmup) if c.enabled else None)
+                                                       c.warmup, fit_slope=d.get("confidence") == "fallback")
+                                    if c.enabled else None)
         guard = SpecGuard(t.guard) if t.guard.enabled else None
         self.admission = Admission(self.slots_total, self.max_batch, max_queue, t, self.costs, self.query_len_max,
                                    self.metrics)
@@ -337,6 +339,6 @@ class Runtime:
         result = self.verifier.run(batch, drafted, plan)
         if result is None:
             return True
-        self.committer.commit(batch, drafted, result)
+        self.committer.commit(batch, drafted, result, plan)
         self.learner.learn(batch, depth, drafted, plan, result)  # after commit: it times the whole step
         return True

@@ -194,8 +194,18 @@ def _objective_curve(R, flat, order, capacity, verify_cost_ms, draft_cost_ms, n_
     return gains
 
 
-def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting):
+def _max_budget(max_budget) -> int | None:
+    if max_budget is None:
+        return None
+    if not float(max_budget) == int(max_budget):
+        raise ValueError(f"max_budget must be a whole number of tokens; got {max_budget}")
+    return max(0, int(max_budget))
+
+
+def _best(S, caps, verify_cost_ms, draft_cost_ms, n_emitting, max_budget=None):
     order, flat, capacity = _rank(S, caps)
+    if max_budget is not None:
+        capacity = min(capacity, max_budget)
     obj = _objective_curve(S.shape[0], flat, order, capacity, verify_cost_ms, draft_cost_ms, n_emitting)
     B = int(np.argmax(obj))  # first maximum: the smallest B among ties
     return B, float(obj[B]), order
@@ -205,8 +215,8 @@ def _lengths(order, B: int, R: int) -> np.ndarray:
     return np.bincount(order[:B] % R, minlength=R).astype(np.int64) if R else np.zeros(0, np.int64)
 
 
-def best_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
-                ) -> tuple[int, float]:
+def best_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None,
+                max_budget=None) -> tuple[int, float]:
     """The exact optimal budget B* and its objective (expected output tokens per ms).
 
     Arguments as in :func:`solve_budget`. Use it to size B from one survival matrix (e.g. stale rows)
@@ -217,7 +227,7 @@ def best_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting
     R, K = S.shape
     if R == 0:
         return 0, 0.0
-    B, obj, _ = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+    B, obj, _ = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting, _max_budget(max_budget))
     return B, obj
 
 
@@ -238,8 +248,8 @@ def solve_budget_for_b(survival, budget: int, *, caps=None) -> np.ndarray:
     return _lengths(order, min(max(int(budget), 0), capacity), R)
 
 
-def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None
-                 ) -> np.ndarray:
+def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emitting=None, *, caps=None,
+                 max_budget=None) -> np.ndarray:
     """Per-request verify lengths L (R,) that maximise expected output tokens per ms of step time.
 
     survival: (R, K) floats in [0, 1], non-increasing along each row (S_{r,k} = prod_{i<=k} c_{r,i}).
@@ -250,6 +260,8 @@ def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emittin
     n_emitting: N, requests that emit a token this step (default R).
     caps: optional (R,) ints, the most drafts request r may verify (near max_new_tokens or the context
         end); slots beyond a cap are never admitted.
+    max_budget: optional global cap on B, the drafts verified this step over all requests (vLLM's
+        ``max_total_logits - num_reqs``: the engine's most tokens per step less those verified anyway).
 
     Uses the live survivals to choose B, so it is lossless for greedy decoding only; see the module
     docstring for sampling. Exact over B in 0..R*K; ties resolve to the smallest B.
@@ -258,7 +270,7 @@ def solve_budget(survival, verify_cost_ms, draft_cost_ms: float = 0.0, n_emittin
     R, K = S.shape
     if R == 0:
         return np.zeros(0, np.int64)
-    B, _, order = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting)
+    B, _, order = _best(S, _caps(caps, R, K), verify_cost_ms, draft_cost_ms, n_emitting, _max_budget(max_budget))
     return _lengths(order, B, R)
 
 
@@ -276,7 +288,7 @@ def rows_valid(rows: list[list[float]]) -> bool:
 
 
 def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms, draft_cost_ms: float,
-                n_emitting=None) -> tuple[int, list[int]] | None:
+                n_emitting=None, max_budget: int | None = None) -> tuple[int, list[int]] | None:
     """(B*, verify lengths) of :func:`solve_budget` in pure Python, for a few valid rows (see rows_valid).
 
     The same computation as the numpy path, in the same order: slots ranked by survival, ties to the
@@ -298,6 +310,8 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
                 vals.append(rows[r][k])
                 slot.append(r)
     order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep k-major order
+    if max_budget is not None:
+        del order[max(0, int(max_budget)):]
     if isinstance(verify_cost_ms, np.ndarray):
         if verify_cost_ms.ndim != 1:
             return None
@@ -381,7 +395,7 @@ def table_lookup(table: np.ndarray, x):
 
 
 def marginal_survival(requests: int, admitted_sum: float, budget: int, table: np.ndarray, draft_ms: float,
-                      span: int = 4) -> float:
+                      span: int = 4, n_emitting=None) -> float:
     """The survival at which one more verified draft breaks even at this step's solution: the step's
     expected output per ms times the marginal cost of a verified token, averaged over `span` tokens.
 
@@ -389,30 +403,32 @@ def marginal_survival(requests: int, admitted_sum: float, budget: int, table: np
     layer deeper costs a jump that only a whole layer shares, and a solution sits at a layer's end
     whenever the rows verify alike, where a span of a few tokens would charge the next jump to them and
     stop every request drafting. Unlike the weakest admitted survival, this does not rise when the
-    solver admits everything that was drafted, so drafting depth cannot ratchet down.
+    solver admits everything that was drafted, so drafting depth cannot ratchet down. n_emitting: the
+    solve's N (default `requests`); `requests` still indexes the table.
     """
     t = requests + budget
     cost = draft_ms + table_lookup(table, t)
     if cost <= 0:
         return 0.0
-    rate = (requests + admitted_sum) / cost
+    rate = ((requests if n_emitting is None else n_emitting) + admitted_sum) / cost
     return max(0.0, rate * (table_lookup(table, t + span) - table_lookup(table, t)) / span)
 
 
-def best_draft_depth(profile, n_adaptive: int, verify_ms, draft_ms: float, plain_ms: float, spec_ms: float
-                     ) -> tuple[int, float]:
+def best_draft_depth(profile, n_adaptive: int, verify_ms, draft_ms: float, plain_ms: float, spec_ms: float,
+                     others: float = 0.0) -> tuple[int, float]:
     """(best draft depth j, its drafting rate over the plain rate) before anything is drafted.
 
     With n_adaptive requests expected to keep j drafts each (survival `profile`, length K), output per
     ms is ``n (1 + sum_{i<j} S_i) / (overhead_j + j draft_ms + verify_ms[j])`` (verify_ms: K + 1 costs of
     the verify call at depth j; overhead_j: plain_ms for j = 0, spec_ms otherwise). Drafting far past
     the best j is waste. Tokens of requests that do not draft adaptively add the same to every j and
-    belong in verify_ms and the gain's constant.
+    belong in verify_ms and the gain's constant: ``others``, the tokens they emit (N counts every row
+    that emits a token, as in the budget solver).
     """
     prof = np.asarray(profile, dtype=np.float64)
     k = prof.size
     j = np.arange(k + 1)
-    gain = n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
+    gain = float(others) + n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
     cost = np.where(j > 0, spec_ms, plain_ms) + j * float(draft_ms) + np.asarray(verify_ms, dtype=np.float64)
     rate = gain / np.maximum(cost, 1e-9)
     ratio = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0

@@ -24,8 +24,20 @@ selection made on c alone; the shift only moves calibration toward that. Positio
 the shift of the deepest verified one (a request's acceptances are correlated; an unverified deep
 position is better guessed by its neighbour's bias than by none).
 
+Drafters without a confidence head (``confidence: fallback``: c_k is the draft's max probability q_max)
+also fit a shared slope b, as vLLM does for them (PR #52228: logit(q_max) with per-position intercepts
+and one slope, refit by IRLS):
+
+    c'_k = sigmoid(b * logit(c_k) + d_k),
+
+by the same recursive Newton on (d_1..d_K, b) jointly (a forgetting sum of the full curvature matrix,
+so the intercepts and the slope do not fight over the same signal). An offline-calibrated head keeps
+b = 1: its ordering is what the calibration fitted, only its level drifts. A max probability is
+neither calibrated nor on the right scale (a random draft's q_max is a fraction of a percent where
+the target accepts most drafts), which a shift bounded to +-bound cannot repair alone.
+
 Lossless sampling: the correction depends only on earlier steps' outcomes, and per position it is an
-increasing function of c_k, so S' stays non-increasing along a row and a function of positions <= k:
+increasing function of c_k (b stays > 0), so S' stays non-increasing along a row and a function of positions <= k:
 the solver's stopping-rule argument holds unchanged.
 """
 
@@ -65,22 +77,29 @@ class SurvivalCorrection:
     damping: pseudo-curvature added to H (keeps the first steps finite); forget: fraction of H dropped
     per step (memory of ~1/forget steps, so the shift keeps tracking a changing workload); max_step:
     largest change of a shift per step; bound: |d_k| limit (a factor of e^bound on the odds); warmup:
-    observations of a position before its shift is applied (until then it is learned only). Defaults:
-    tuning.CorrectionTuning.
+    observations of a position before its shift is applied (until then it is learned only); fit_slope:
+    also fit the shared slope b (drafters without a head). Defaults: tuning.CorrectionTuning.
     """
 
+    #: Range of the shared slope: > 0 keeps the correction increasing in c_k (lossless sampling).
+    SLOPE_RANGE = (0.02, 4.0)
+
     def __init__(self, max_draft: int, damping: float = _T.damping, forget: float = _T.forget,
-                 max_step: float = _T.max_step, bound: float = _T.bound, warmup: int = _T.warmup):
+                 max_step: float = _T.max_step, bound: float = _T.bound, warmup: int = _T.warmup,
+                 fit_slope: bool = False):
         if max_draft < 1:
             raise ValueError(f"max_draft must be >= 1; got {max_draft}")
         if not damping > 0 or not 0 < forget <= 1 or not max_step > 0 or not bound > 0:
             raise ValueError("damping, max_step and bound must be > 0 and forget in (0, 1]")
         self.max_draft, self.damping, self.forget, self.max_step, self.bound, self.warmup = (
             int(max_draft), float(damping), float(forget), float(max_step), float(bound), int(warmup))
+        self.fit_slope = bool(fit_slope)
         self.reset()
 
     def reset(self) -> None:
         self.shift = np.zeros(self.max_draft)
+        self.slope = 1.0
+        self.hessian = np.zeros((self.max_draft + 1, self.max_draft + 1))  # (d_1..d_K, b): the slope fit's
         self._active = None  # cached active_shifts()
         self.curvature = np.zeros(self.max_draft)  # H_k
         self.seen = np.zeros(self.max_draft, dtype=np.int64)  # reached positions observed
@@ -97,6 +116,10 @@ class SurvivalCorrection:
             out = np.concatenate([out, np.full(k - self.max_draft, out[-1])])
         return out[:k]
 
+    def active_slope(self) -> float:
+        """The slope applied to logit(c_k) (1.0 until a position is warm, and always without fit_slope)."""
+        return self.slope if (self.seen >= self.warmup).any() else 1.0
+
     def active_shifts(self) -> list[float] | None:
         """The shift applied at each position 0..max_draft-1 (None while no position is warm), for
         correcting survivals one draft step at a time (`corrected_next`)."""
@@ -105,7 +128,8 @@ class SurvivalCorrection:
         return self._active
 
     @staticmethod
-    def corrected_next(shifts: list[float] | None, k: int, prev_raw: float, raw: float, prev_corrected: float) -> float:
+    def corrected_next(shifts: list[float] | None, k: int, prev_raw: float, raw: float, prev_corrected: float,
+                       slope: float = 1.0) -> float:
         """Corrected S'_{k+1} from the raw S_k (prev_raw), S_{k+1} (raw) and the corrected S'_k: the
         same as `apply` on the whole row, one position at a time in plain floats (a draft loop calls
         this per request per draft step, where numpy's per-call overhead would dominate)."""
@@ -114,7 +138,7 @@ class SurvivalCorrection:
         if prev_raw <= _TINY or raw <= 0.0:
             return 0.0
         c = min(max(raw / prev_raw, _EPS), 1.0 - _EPS)
-        z = math.log(c) - math.log1p(-c) + shifts[min(k, len(shifts) - 1)]
+        z = slope * (math.log(c) - math.log1p(-c)) + shifts[min(k, len(shifts) - 1)]
         return prev_corrected * 0.5 * (1.0 + math.tanh(0.5 * z))
 
     def apply(self, survival) -> np.ndarray:
@@ -123,7 +147,7 @@ class SurvivalCorrection:
         if s.size == 0 or not (self.seen >= self.warmup).any():
             return s.copy()
         c = conditional(s)
-        c2 = _sigmoid(_logit(c) + self._active_shift(s.shape[1])[None, :])
+        c2 = _sigmoid(self.slope * _logit(c) + self._active_shift(s.shape[1])[None, :])
         c2 = np.where(c > 0.0, c2, 0.0)  # a zero confidence (or an underflowed prefix) stays zero
         return np.cumprod(c2, axis=1)
 
@@ -142,6 +166,8 @@ class SurvivalCorrection:
             return 0
         outcome = (k < a[:, None]) & reached
         c = conditional(s[:, :k.shape[1]])
+        if self.fit_slope:
+            return self._observe_with_slope(_logit(c), reached, outcome)
         pred = _sigmoid(_logit(c) + self.shift[None, :k.shape[1]])
         n = reached.sum(axis=0)
         grad = np.where(reached, outcome - pred, 0.0).sum(axis=0)
@@ -155,7 +181,34 @@ class SurvivalCorrection:
         self.accepted[:n.size] += outcome.sum(axis=0)
         return int(n.sum())
 
+    def _observe_with_slope(self, x: np.ndarray, reached: np.ndarray, outcome: np.ndarray) -> int:
+        """One recursive Newton (IRLS) step on (d_1..d_m, b) from the reached positions' logits x (R, m)."""
+        m = x.shape[1]
+        pred = _sigmoid(self.slope * x + self.shift[None, :m])
+        resid = np.where(reached, outcome - pred, 0.0)
+        w = np.where(reached, pred * (1.0 - pred), 0.0)
+        K = self.max_draft
+        grad = np.zeros(K + 1)
+        grad[:m] = resid.sum(axis=0)
+        grad[K] = float((resid * x).sum())
+        curv = np.zeros((K + 1, K + 1))
+        curv[np.arange(m), np.arange(m)] = w.sum(axis=0)
+        curv[:m, K] = curv[K, :m] = (w * x).sum(axis=0)
+        curv[K, K] = float((w * x * x).sum())
+        self.hessian = (1.0 - self.forget) * self.hessian + curv
+        step = np.linalg.solve(self.hessian + self.damping * np.eye(K + 1), grad)
+        step = np.clip(step, -self.max_step, self.max_step)
+        self.shift = np.clip(self.shift + step[:K], -self.bound, self.bound)
+        self.slope = float(np.clip(self.slope + step[K], *self.SLOPE_RANGE))
+        n = reached.sum(axis=0)
+        self.curvature[:m] = (1.0 - self.forget) * self.curvature[:m] + curv[np.arange(m), np.arange(m)]
+        self.seen[:m] += n
+        self.accepted[:m] += outcome.sum(axis=0)
+        self._active = None
+        return int(n.sum())
+
     def report(self) -> dict:
         seen = np.maximum(self.seen, 1)
-        return {"shift": [round(float(x), 4) for x in self.shift], "reached": self.seen.tolist(),
+        return {"shift": [round(float(x), 4) for x in self.shift], "slope": round(self.slope, 4),
+                "reached": self.seen.tolist(),
                 "acceptance": [round(float(x), 4) for x in self.accepted / seen]}

@@ -207,6 +207,19 @@ class RuntimeTuning:
     """Weight of one step in the unpriced step overhead by load (costs/overhead.py); the first 1/alpha
     steps of a kind and load are a plain mean, so one slow first step does not dominate for long."""
 
+    max_verify_tokens: int = 0
+    """Most tokens one step may verify over all decode requests (each request's next token plus its
+    verified drafts), on top of the engine's own limit (the manifest's max_tokens_per_step and the cost
+    profile's largest size), like vLLM's cap on a step's logits. 0: the engine's limit only. Smaller
+    bounds a step's latency at high load at the price of fewer verified drafts."""
+
+    explain_window: int = 64
+    """Steps summed before predicted and measured (expected vs accepted drafts, modelled vs measured step
+    ms) are compared for the one warning that says they disagree (runtime/explain.py)."""
+
+    explain_tolerance: float = 0.25
+    """Relative gap between predicted and measured, over a whole window, that earns the warning."""
+
     prior_acceptance: float = 0.7
     """Per-position acceptance of the survival profile before any step is seen (S_k = p^k)."""
 
@@ -300,7 +313,7 @@ def _check(owner, name: str, value) -> str | None:
         return "must be a number"
     if base in _FRACTIONS:
         return None if 0 < value <= 1 else "must be in (0, 1]"
-    if base in ("z", "margin", "guard_tie", "guard_sure", "plan_headroom"):
+    if base in ("z", "margin", "guard_tie", "guard_sure", "plan_headroom", "max_verify_tokens"):
         return None if value >= 0 else "must be >= 0"
     if base == "bound_high":
         return None if value >= 1 else "must be >= 1"

@@ -10,15 +10,21 @@ __all__ = ["Committer"]
 
 
 class Committer:
-    """Call order: ``commit(batch, drafted, result)`` once per step, after verification."""
+    """Call order: ``commit(batch, drafted, result, plan)`` once per step, after verification."""
 
     def __init__(self, tokenizer, eos_ids, max_context: int, metrics, admission):
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
         self.metrics, self.admission = metrics, admission
 
-    def commit(self, batch, drafted, result) -> None:
+    def commit(self, batch, drafted, result, plan=None) -> None:
         now = time.perf_counter()
         drafts, vl, accepted, next_tok = drafted.drafts, result.verify_lens, result.accepted, result.next_token
+        # The step's prediction, kept in each decoding request's stats before commit may finish it (a
+        # caller reads the stats as soon as it is done): the step measured up to now.
+        predicted_ms = None
+        if plan is not None and plan.predicted_ms is not None:
+            predicted_ms = plan.predicted_ms + result.prefill_model_ms
+        measured_ms = (now - batch.started) * 1e3 if predicted_ms is not None else 0.0
         for i, r in enumerate(batch.decode):
             a, L = int(accepted[i]), int(vl[i])
             d = drafts.get(r.id)
@@ -30,6 +36,12 @@ class Committer:
             st = r.stats
             st.steps += 1
             st.verified_tokens += L + 1
+            if L:
+                st.predicted_accepted += float(sum(d.corrected[:L]))
+                st.accepted += min(a, L)
+            if predicted_ms is not None:
+                st.predicted_step_ms += predicted_ms
+                st.measured_step_ms += measured_ms
             for k in range(L):
                 st.verified_per_position[k] += 1
                 if k < a:

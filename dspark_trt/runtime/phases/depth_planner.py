@@ -91,4 +91,4 @@ class DepthPlanner:
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         return best_draft_depth(prof, n_adaptive, verify, float(cost.table.draft_ms(n_adaptive)),
-                                cost.overhead("plain"), cost.overhead("spec"))
+                                cost.overhead("plain"), cost.overhead("spec"), others=n_decode - n_adaptive)

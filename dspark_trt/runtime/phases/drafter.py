@@ -94,6 +94,7 @@ class Drafter:
         prev = {r.id: 1.0 for r in reqs}
         # Survivals as the solver will see them (online-corrected), kept up as drafting goes.
         shifts = self.correction.active_shifts() if self.correction is not None else None
+        slope = self.correction.active_slope() if self.correction is not None else 1.0
         corr = {r.id: [] for r in reqs}
         k = 0
         while current:
@@ -111,7 +112,7 @@ class Drafter:
                     probs[rid].append(dist[i])
                 surv[rid].append(s)
                 cr = corr[rid]
-                cr.append(SurvivalCorrection.corrected_next(shifts, k, prev[rid], s, cr[-1] if cr else 1.0))
+                cr.append(SurvivalCorrection.corrected_next(shifts, k, prev[rid], s, cr[-1] if cr else 1.0, slope))
                 prev[rid] = s
                 if len(toks[rid]) < caps[rid]:
                     nxt.append(r)

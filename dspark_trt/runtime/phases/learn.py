@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 
+from dspark_trt.runtime.explain import Explainer
+
 __all__ = ["Learner"]
 
 
@@ -27,6 +29,7 @@ class Learner:
         self.max_draft, self.tuning, self.correction, self.guard, self.costs, self.metrics = (
             max_draft, tuning, correction, guard, costs, metrics)
         self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
+        self.explainer = Explainer(tuning.explain_window, tuning.explain_tolerance)
 
     def learn(self, batch, depth, drafted, plan, result) -> None:
         decode, drafts = batch.decode, drafted.drafts
@@ -43,15 +46,20 @@ class Learner:
                 rows, vls, accs = zip(*self._outcomes)
                 self._outcomes.clear()
                 self.correction.observe(_pad_rows(rows, self.max_draft), vls, accs)
+        acc = [int(min(a, L)) for a, L in zip(accepted[:nd], vl[:nd])]
+        predicted_ms = (plan.predicted_ms + result.prefill_model_ms) if plan.predicted_ms is not None else None
+        wall_ms = (time.perf_counter() - batch.started) * 1e3
         self.metrics.log_step({
             "decode_requests": nd, "prefill_tokens": int(sum(n for _, n in result.chunked)),
-            "verify_lens": vl[:nd].tolist(), "accepted": [int(min(a, L)) for a, L in zip(accepted[:nd], vl[:nd])],
+            "verify_lens": vl[:nd].tolist(), "accepted": acc,
             "drafted": [len(drafts[r.id].tokens) if r.id in drafts else 0 for r in decode],
             "draft_ms": drafted.engine_ms, "target_ms": result.target_ms, "target_tokens": result.target_tokens,
-            "target_calls": result.calls, "prompts_held": len(batch.held), "solver_us": plan.solver_us})
-        wall_ms = (time.perf_counter() - batch.started) * 1e3
+            "target_calls": result.calls, "prompts_held": len(batch.held), "solver_us": plan.solver_us,
+            "predicted_accepted": plan.predicted_accepted, "predicted_ms": predicted_ms, "measured_ms": wall_ms})
         if decode and wall_ms > 0:
             self._rates(batch, depth, drafted, result, wall_ms)
+            self.metrics.record_prediction(plan.predicted_accepted, sum(acc), predicted_ms, wall_ms)
+            self.explainer.record(plan.predicted_accepted, sum(acc), predicted_ms, wall_ms)
         self.metrics.record_step(wall_ms, drafted.engine_ms + result.target_ms, plan.solver_us, result.verified,
                                  len(result.order), sum(len(d.tokens) for d in drafts.values()))
 

@@ -35,6 +35,7 @@ class VerifyResult(NamedTuple):
     target_tokens: int  # tokens fed to the target
     verified: int  # rows the acceptance ops scored
     priced_ms: float  # full time of the target calls (feeds, engine, KV write)
+    prefill_model_ms: float = 0.0  # the cost model's ms for the prompt chunks (their own call or their share)
 
 
 class Verifier:
@@ -86,8 +87,12 @@ class Verifier:
             target_tokens += tokens
             verified += m
             priced += full
+        prefill_model = 0.0
+        if chunked and self.costs.shape is not None:
+            prefill_model = (self.costs.shape.ms(*packed_shape(query_lens[nd:], past_lens[nd:])) if len(groups) > 1
+                             else self.costs.prefill_share(query_lens, past_lens, nd))
         return VerifyResult(order, chunked, np.asarray(vlens, dtype=np.int64), accepted, next_tok, query_lens,
-                            past_lens, len(groups), ms, target_ms, target_tokens, verified, priced)
+                            past_lens, len(groups), ms, target_ms, target_tokens, verified, priced, prefill_model)
 
     def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
               drafts: dict):

@@ -4,6 +4,14 @@ Fixed-K requests verify what they drafted, up to K; adaptive requests get the bu
 their online-corrected survivals (through the controller, which keeps sampling lossless), now and then
 an exploration step, and a depth cap where padding every row to the deepest stops paying. The plan
 also sets the break-even survival that drafting reads next step.
+
+Counting as vLLM's budget rule does (issue 22): the objective's N is every decode row that emits a
+token this step, drafted or not (plus the expected accepted drafts of fixed-K rows, which the step
+emits whatever the budget is), and the step verifies at most ``verify_limit()`` tokens over all decode
+rows (the engine's most tokens per step, the cost profile's largest size, ``max_verify_tokens``).
+
+The plan carries what the cost model and the survivals predict for the step (expected accepted drafts,
+modelled step ms); runtime/explain.py sets them against what the step measured.
 """
 
 from __future__ import annotations
@@ -13,7 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dspark_trt.runtime.solver import cap_depth, marginal_survival
+from dspark_trt.runtime.costs.call_shape import packed_shape
+from dspark_trt.runtime.solver import cap_depth, marginal_survival, table_lookup
 
 __all__ = ["VerifyPlan", "VerifyPlanner"]
 
@@ -21,6 +30,8 @@ __all__ = ["VerifyPlan", "VerifyPlanner"]
 class VerifyPlan(NamedTuple):
     lengths: dict[int, int]  # drafts each request verifies, by request id (absent: none)
     solver_us: float  # time the controller took
+    predicted_accepted: float = 0.0  # expected accepted drafts: the (corrected) survivals of the verified slots
+    predicted_ms: float | None = None  # the step's modelled ms at this plan (None without a cost profile)
 
 
 class _StepCost:
@@ -44,7 +55,20 @@ class VerifyPlanner:
             max_draft, tuning, controller, correction, costs)
         self._unverified_steps = 0
 
+    def verify_limit(self) -> int:
+        """Most tokens a step verifies over all decode rows (next tokens plus verified drafts)."""
+        limit = self.costs.max_tokens_per_step
+        if self.costs.table is not None:
+            limit = min(limit, self.costs.table.max_tokens)
+        if self.tuning.max_verify_tokens:
+            limit = min(limit, self.tuning.max_verify_tokens)
+        return limit
+
     def plan(self, batch, drafted, cost) -> VerifyPlan:
+        lengths, solver_us = self._plan(batch, drafted, cost)
+        return self._predict(batch, drafted, cost, lengths, solver_us)
+
+    def _plan(self, batch, drafted, cost) -> tuple[dict[int, int], float]:
         decode, drafts, draft_ms = batch.decode, drafted.drafts, drafted.engine_ms
         lengths: dict[int, int] = {}
         adaptive = []
@@ -56,8 +80,14 @@ class VerifyPlanner:
                 lengths[r.id] = min(r.mode.k, n)
             elif r.mode.kind == "adaptive":
                 adaptive.append(r)
+        room = max(0, self.verify_limit() - len(decode))  # drafts the step may verify over all rows
+        if sum(lengths.values()) > room:
+            lengths = _trim(lengths, room)
         if not adaptive:
-            return VerifyPlan(lengths, 0.0)
+            return lengths, 0.0
+        # N: every decode row emits a token whatever the budget, and fixed-K rows their accepted drafts too.
+        n_emitting = len(decode) + sum(float(sum(drafts[rid].corrected[:L])) for rid, L in lengths.items() if L)
+        max_budget = room - sum(lengths.values())
         # Survivals as lists, not arrays: for a few requests the controller plans in plain Python
         # (solver.SMALL_SLOTS), where every numpy call would cost more than its arithmetic. Caps as int64,
         # which the controller takes without converting.
@@ -70,7 +100,8 @@ class VerifyPlanner:
         others = len(decode) - len(adaptive) + sum(lengths.values())
         table = cost.verify_table(others, len(decode))
         plan = self.controller.plan(live, [r.id for r in adaptive], [r.sampling for r in adaptive],
-                                    _StepCost(table, fixed_ms), len(adaptive), caps=caps)
+                                    _StepCost(table, fixed_ms), len(adaptive), caps=caps, n_emitting=n_emitting,
+                                    max_budget=max_budget)
         solver_us = (time.perf_counter_ns() - t) / 1e3
         exploring = False
         if self.correction is not None:
@@ -81,6 +112,7 @@ class VerifyPlanner:
             if self._unverified_steps >= self.tuning.correction.explore_every:
                 self._unverified_steps = 0
                 plan = np.minimum(caps, 1)
+                plan[np.cumsum(plan) > max_budget] = 0  # the first rows, by position: independent of the drafts
                 exploring = True
         if not exploring and plan.any() and self.costs.shape is not None:
             plan = self._cap_depth(plan, live, decode, lengths, drafts, fixed_ms, cost)
@@ -92,8 +124,26 @@ class VerifyPlanner:
         # sampling lossless (it only removes later slots, which never outrank earlier ones).
         admitted = sum(sum(s[:L]) for s, L in zip(rows, plan))
         self.costs.break_even = marginal_survival(len(adaptive), admitted, sum(plan), table, fixed_ms,
-                                                  span=max(self.tuning.break_even_span, len(decode)))
-        return VerifyPlan(lengths, solver_us)
+                                                  span=max(self.tuning.break_even_span, len(decode)),
+                                                  n_emitting=n_emitting)
+        return lengths, solver_us
+
+    def _predict(self, batch, drafted, cost, lengths: dict[int, int], solver_us: float) -> VerifyPlan:
+        """The plan with its predictions: expected accepted drafts (the survivals the solver saw, over the
+        verified slots) and the step's modelled ms, priced as the solver prices a step (the drafting
+        engine time already spent, the step overhead of this load, the verify call at these lengths)."""
+        decode, drafts = batch.decode, drafted.drafts
+        expected = sum(float(sum(drafts[rid].corrected[:L])) for rid, L in lengths.items() if L)
+        if cost.table is None or not decode:
+            return VerifyPlan(lengths, solver_us, expected, None)
+        query_lens = [1 + lengths.get(r.id, 0) for r in decode]
+        shape = self.costs.shape
+        if shape is not None:
+            verify_ms = shape.ms(*packed_shape(query_lens, [r.target_len for r in decode]))
+        else:
+            verify_ms = table_lookup(np.asarray(cost.table.verify_table(), dtype=np.float64), sum(query_lens))
+        ms = drafted.engine_ms + cost.overhead("spec" if drafts else "plain") + verify_ms
+        return VerifyPlan(lengths, solver_us, expected, float(ms))
 
     def _cap_depth(self, plan: np.ndarray, live: list, decode: list, fixed: dict, drafts: dict,
                    fixed_ms: float, cost) -> np.ndarray:
@@ -114,3 +164,15 @@ class VerifyPlanner:
 
         d = cap_depth(plan, live, call_ms, fixed_ms, base)
         return np.minimum(plan, d)
+
+
+def _trim(lengths: dict[int, int], room: int) -> dict[int, int]:
+    """Verify lengths cut to `room` drafts in all, the deepest first (ties to the later request): only
+    later slots go, chosen from the lengths alone, so a sampled request's stopping rule still holds."""
+    out = dict(lengths)
+    excess = sum(out.values()) - room
+    while excess > 0:
+        rid = max(out, key=lambda i: (out[i], i))
+        out[rid] -= 1
+        excess -= 1
+    return {rid: L for rid, L in out.items()}
