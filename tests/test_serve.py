@@ -347,8 +347,11 @@ def test_metrics_in_prometheus_text_format(rt, server, client):
     for name in ["dspark_requests_rejected_total", "dspark_output_tokens_total", "dspark_tau",
                  'dspark_acceptance_rate{position="1"}', "dspark_verified_tokens_per_step",
                  "dspark_verify_budget_per_step", "dspark_queue_depth", "dspark_step_ms_mean",
-                 "dspark_engine_seconds_total", "dspark_step_seconds_total", "dspark_active_requests"]:
+                 "dspark_engine_seconds_total", "dspark_step_seconds_total", "dspark_active_requests",
+                 "dspark_predicted_accepted_total", "dspark_accepted_total", "dspark_predicted_step_seconds_total",
+                 "dspark_measured_step_seconds_total"]:
         assert name in values, name
+    assert values["dspark_measured_step_seconds_total"] > 0
     assert values['dspark_requests_total{finish_reason="length"}'] >= 1
     assert values["dspark_output_tokens_total"] >= 8
     assert values["dspark_tau"] >= 1.0

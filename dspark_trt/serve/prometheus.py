@@ -95,4 +95,14 @@ def render_metrics(snapshot: dict, server: dict, budget_hist: dict | None = None
           snapshot.get("solver_us_per_step", 0.0))
     e.add("dspark_overhead_fraction", "gauge", "Fraction of step time spent outside the engines.",
           snapshot.get("overhead_frac", 0.0))
+    # Predicted vs measured (runtime/explain.py): when these drift apart, the survivals or the cost profile
+    # the solver plans with are off.
+    e.add("dspark_predicted_accepted_total", "counter", "Draft tokens the survivals predicted to be accepted.",
+          snapshot.get("predicted_accepted", 0.0))
+    e.add("dspark_accepted_total", "counter", "Draft tokens accepted (of those verified with a prediction).",
+          snapshot.get("accepted", 0))
+    e.add("dspark_predicted_step_seconds_total", "counter", "Step time the cost model predicted.",
+          snapshot.get("predicted_step_ms", 0.0) / 1e3)
+    e.add("dspark_measured_step_seconds_total", "counter", "Measured time of the steps that had a prediction.",
+          snapshot.get("measured_step_ms", 0.0) / 1e3)
     return e.render()
