@@ -308,7 +308,8 @@ def test_prompt_files(tmp_path):
 
 RUN_KEYS = {"mode", "concurrency", "output_tok_s", "per_user_tok_s_p50", "per_user_tok_s_p90", "tpot_ms_p50", "tau",
             "acceptance_per_position", "verified_tokens_per_step", "solver_us_per_step", "overhead_frac",
-            "oracle_goodput_frac", "greedy_match_off", "requests", "generated_tokens", "wall_s"}
+            "oracle_goodput_frac", "greedy_match_off", "requests", "generated_tokens", "wall_s",
+            "predicted_accepted", "accepted", "predicted_step_ms", "measured_step_ms"}
 
 
 def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):

@@ -47,6 +47,10 @@ def run_metrics(step_log: list[dict], snapshots: list[dict], max_draft: int, cos
         "oracle_goodput_frac": None,
         "oracle": None,
     }
+    # Predicted vs measured, summed over the rounds (runtime/explain.py): how far the solver's survivals
+    # and cost model were from what happened.
+    for key in ("predicted_accepted", "accepted", "predicted_step_ms", "measured_step_ms"):
+        out[key] = sum(s.get(key, 0) for s in snapshots)
     if cost is not None and step_log:
         o = oracle_goodput(step_log, cost[0], cost[1])
         o["modelled_over_measured"] = o["actual_ms"] / measured_engine if measured_engine > 0 else None
