@@ -100,11 +100,13 @@ def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, ma
 @click.argument("artifact_dir", type=click.Path())
 @backend_option
 @click.option("--repeats", default=5, type=click.IntRange(1), help="Repeats per point (median is kept).")
-def profile(artifact_dir, backend, repeats):
+@click.option("--context", default=None, type=int,
+              help="Cached tokens per row in the profiled calls (default 128; a serving context is more realistic).")
+def profile(artifact_dir, backend, repeats, context):
     """Measure verify/draft step costs and save cost_profile.json."""
     from dspark_trt.commands.profile import profile_artifact
 
-    path = profile_artifact(artifact_dir, backend=backend, repeats=repeats)
+    path = profile_artifact(artifact_dir, backend=backend, repeats=repeats, context=context)
     click.echo(f"wrote {path}")
 
 

@@ -69,7 +69,7 @@ def test_profile_writes_a_cost_profile(tiny_artifact):
     prof = json.loads((tiny_artifact / "cost_profile.json").read_text())
     v = prof["verify_ms"]
     assert all(b >= a for a, b in zip(v, v[1:]))  # monotone
-    assert prof["meta"]["backend"] == "ort"
+    assert prof["meta"]["backend"] == "ort" and prof["meta"]["past"] == 128  # the default profile context
     # Target calls of varied shape for the call-shape model: many rows and few, even and uneven depth,
     # a prompt chunk among decode rows; a fitted model that predicts them.
     shapes = np.asarray(prof["points"]["verify_shapes"])
@@ -79,6 +79,12 @@ def test_profile_writes_a_cost_profile(tiny_artifact):
     model = CostTable.load(tiny_artifact / "cost_profile.json").call_shape
     pred = np.array([model.ms(*map(int, s[:4])) for s in shapes])
     assert np.median(np.abs(pred / shapes[:, 4] - 1)) < 0.5
+
+
+def test_profile_context_beyond_the_artifact_is_one_line(tiny_artifact):
+    out = run("profile", str(tiny_artifact), "--context", "100000")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().startswith("error: --context 100000 must be between 1 and")
 
 
 @pytest.mark.parametrize("args", [["check", "/nonexistent/dir"], ["build", "/nonexistent/dir"]])

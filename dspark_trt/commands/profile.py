@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.costs.profiling import measure, profile_path
 from dspark_trt.runtime.runtime import Runtime
+from dspark_trt.runtime.tuning import RuntimeTuning
 
 
-def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5) -> Path:
-    rt = Runtime.load(artifact_dir, backend=backend, profile="none")
+def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5, context: int | None = None) -> Path:
+    """context: cached tokens per row in the profiled calls (default: ProfileTuning.past). A realistic
+    serving context prices verify calls as they will run (vLLM profiles at 8192 by default); the
+    call-shape model keeps how costs grow with the past either way."""
+    tuning = RuntimeTuning()
+    if context is not None:
+        tuning = dataclasses.replace(tuning, profile=dataclasses.replace(tuning.profile, past=int(context)))
+    rt = Runtime.load(artifact_dir, backend=backend, profile="none", tuning=tuning)
+    if context is not None and not 1 <= context <= rt.max_context - rt.max_draft - 2:
+        rt.close()
+        raise DsparkError(f"--context {context} must be between 1 and {rt.max_context - rt.max_draft - 2} "
+                          f"(the artifact's max context {rt.max_context} less a verify row)")
     try:
         table = measure(rt, repeats=repeats)
         return table.save(profile_path(artifact_dir, backend))

@@ -135,7 +135,7 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
                 bar.update(1)
     shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, p.shape_quantile))]
               for (q, past), t in zip(layouts, timings)]
-    return CostTable.from_measurements(vp, dp, profile_meta(rt.manifest, rt.backend.name),
+    return CostTable.from_measurements(vp, dp, dict(profile_meta(rt.manifest, rt.backend.name), past=p.past),
                                        max_tokens=max_tokens, max_batch=max_batch, shape_points=shapes)
 
 
