@@ -25,6 +25,7 @@ import pytest
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.backends import trt as tb
+from dspark_trt.runtime.backends import trt_io as tio
 from dspark_trt.runtime.backends.device_kv import PresentList, aligned_elems
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def toy_graph(graph: str, ins: dict) -> dict:
     for layer in range(LAYERS):
         k = (tokens * (layer + 1) + positions).astype(np.float32)[:, None, None] + pattern
         present += [k, -0.5 * k]
-    names = tb.kv_names(LAYERS, "past")
+    names = tio.kv_names(LAYERS, "past")
     weight = np.arange(1, 2 * LAYERS + 1, dtype=np.float64)
     per_token = sum(w * p.astype(np.float64).sum(axis=(1, 2)) for w, p in zip(weight, present))
     starts = np.cumsum(ql) - ql
@@ -147,9 +148,9 @@ class ToyHostBackend:
     name = "toy"
 
     def _run(self, graph, feeds, past):
-        ins = dict(feeds, **dict(zip(tb.kv_names(LAYERS, "past"), past)))
+        ins = dict(feeds, **dict(zip(tio.kv_names(LAYERS, "past"), past)))
         out = toy_graph(graph, ins)
-        present = [out.pop(n) for n in tb.kv_names(LAYERS, "present")]
+        present = [out.pop(n) for n in tio.kv_names(LAYERS, "present")]
         return out, present
 
     def run_draft(self, feeds, past):
@@ -240,25 +241,25 @@ def _draft_feeds(queries, past_lens, slots, prev=None):
 
 def test_split_io_roles_and_binding_order():
     m = toy_manifest()
-    ins, outs = tb.graph_specs(m, "target")
-    io = tb.split_io(ins, outs, LAYERS, "target")
+    ins, outs = tio.graph_specs(m, "target")
+    io = tio.split_io(ins, outs, LAYERS, "target")
     assert [s.name for s in io.feeds] == TARGET_IN
-    assert [s.name for s in io.past] == tb.kv_names(LAYERS, "past")
+    assert [s.name for s in io.past] == tio.kv_names(LAYERS, "past")
     assert [s.name for s in io.outputs] == ["accepted", "next_token"]
     assert [s.name for s in io.present] == ["present.0.key", "present.0.value", "present.1.key", "present.1.value"]
-    assert io.binding_order() == TARGET_IN + tb.kv_names(LAYERS, "past") + ["accepted", "next_token"] + \
-        tb.kv_names(LAYERS, "present")
-    assert tb.host_output_names(outs) == ["accepted", "next_token"]
-    assert tb.host_output_names(tb.graph_specs(m, "draft")[1]) == list(DRAFT_OUT)
+    assert io.binding_order() == TARGET_IN + tio.kv_names(LAYERS, "past") + ["accepted", "next_token"] + \
+        tio.kv_names(LAYERS, "present")
+    assert tio.host_output_names(outs) == ["accepted", "next_token"]
+    assert tio.host_output_names(tio.graph_specs(m, "draft")[1]) == list(DRAFT_OUT)
     with pytest.raises(DsparkError, match="missing past_key_values.2.key"):
-        tb.split_io(ins, outs, LAYERS + 1, "target")
+        tio.split_io(ins, outs, LAYERS + 1, "target")
     with pytest.raises(DsparkError, match="no I/O for the draft graph"):
-        tb.graph_specs({"graphs": {}}, "draft")
+        tio.graph_specs({"graphs": {}}, "draft")
 
 
 def test_resolve_dims_and_output_shapes_from_feeds():
     m = toy_manifest()
-    ins, outs = tb.graph_specs(m, "target")
+    ins, outs = tio.graph_specs(m, "target")
     from dspark_trt.runtime.batch import pack_queries, verify_rows
 
     f = pack_queries([[1, 2, 3], [4], [5, 6]], [5, 9, 0], [0, 3, 1])
@@ -270,43 +271,43 @@ def test_resolve_dims_and_output_shapes_from_feeds():
              temperature=np.zeros(3, np.float32), accept_uniforms=np.zeros(m_rows, np.float32),
              sample_uniforms=np.zeros(3, np.float32))
     shapes = {n: a.shape for n, a in f.items()}
-    shapes.update({n: (10, SLOTS, KVH, HD) for n in tb.kv_names(LAYERS, "past")})
-    dims = tb.resolve_dims(ins, shapes, "target")
+    shapes.update({n: (10, SLOTS, KVH, HD) for n in tio.kv_names(LAYERS, "past")})
+    dims = tio.resolve_dims(ins, shapes, "target")
     assert dims == {"num_tokens": 6, "num_requests": 3, "query_len": 3, "past_len": 10, "verify_rows": 6}
-    got = tb.output_shapes(outs, dims)
+    got = tio.output_shapes(outs, dims)
     assert got["accepted"] == got["next_token"] == (3,)
     assert got["present.1.value"] == (6, KVH, HD)
-    dspec = tb.graph_specs(m, "draft")[1]
-    assert tb.output_shapes(dspec, dims)["draft_probs"] == (3, V)
-    assert tb.output_shapes([tb.TensorSpec("x", "float32", ("mystery", 2), False)], dims) == {"x": None}
+    dspec = tio.graph_specs(m, "draft")[1]
+    assert tio.output_shapes(dspec, dims)["draft_probs"] == (3, V)
+    assert tio.output_shapes([tio.TensorSpec("x", "float32", ("mystery", 2), False)], dims) == {"x": None}
 
     with pytest.raises(ValueError, match="disagree on num_requests"):
-        tb.resolve_dims(ins, dict(shapes, slot_ids=(4,)), "target")
+        tio.resolve_dims(ins, dict(shapes, slot_ids=(4,)), "target")
     with pytest.raises(ValueError, match="fixes it to 4"):
-        tb.resolve_dims(ins, dict(shapes, **{"past_key_values.0.key": (10, SLOTS, KVH, 5)}), "target")
+        tio.resolve_dims(ins, dict(shapes, **{"past_key_values.0.key": (10, SLOTS, KVH, 5)}), "target")
     with pytest.raises(ValueError, match="rank"):
-        tb.resolve_dims(ins, dict(shapes, tokens=(6, 1)), "target")
+        tio.resolve_dims(ins, dict(shapes, tokens=(6, 1)), "target")
 
 
 def test_pick_output_shape():
-    assert tb.pick_output_shape("draft", "x", (3, V), (3, V)) == (3, V)
-    assert tb.pick_output_shape("draft", "x", (3, V), (-1, V)) == (3, V)
-    assert tb.pick_output_shape("draft", "x", None, [2, 5]) == (2, 5)
+    assert tio.pick_output_shape("draft", "x", (3, V), (3, V)) == (3, V)
+    assert tio.pick_output_shape("draft", "x", (3, V), (-1, V)) == (3, V)
+    assert tio.pick_output_shape("draft", "x", None, [2, 5]) == (2, 5)
     with pytest.raises(DsparkError, match=r"sizes output 'x' as \[4, 40\].*rebuild with `dspark-trt build D`"):
-        tb.pick_output_shape("draft", "x", (3, V), (4, V), "D")
+        tio.pick_output_shape("draft", "x", (3, V), (4, V), "D")
     with pytest.raises(DsparkError, match="depends on data"):
-        tb.pick_output_shape("draft", "x", None, (-1,))
+        tio.pick_output_shape("draft", "x", None, (-1,))
 
 
 def test_profiles_from_engine_entry_or_dims():
     m = toy_manifest()
-    derived = tb.profile_ranges(m, "draft")
+    derived = tio.profile_ranges(m, "draft")
     assert derived["tokens"] == ((1,), (m["dims"]["num_tokens"]["opt"],), (m["dims"]["num_tokens"]["max"],))
     assert derived["past_key_values.0.key"] == ((1, SLOTS, KVH, HD), (CTX, SLOTS, KVH, HD), (CTX, SLOTS, KVH, HD))
     m["engines"] = {"draft": {"profiles": [{"tokens": {"min": [1], "opt": [2], "max": [3]}}]}}
-    assert tb.profile_ranges(m, "draft") == {"tokens": ((1,), (2,), (3,))}
-    assert tb.profile_problems({"tokens": (3,)}, {"tokens": ((1,), (2,), (3,))}) == []
-    (p,) = tb.profile_problems({"tokens": (4,), "other": (9,)}, {"tokens": ((1,), (2,), (3,))}, "draft")
+    assert tio.profile_ranges(m, "draft") == {"tokens": ((1,), (2,), (3,))}
+    assert tio.profile_problems({"tokens": (3,)}, {"tokens": ((1,), (2,), (3,))}) == []
+    (p,) = tio.profile_problems({"tokens": (4,), "other": (9,)}, {"tokens": ((1,), (2,), (3,))}, "draft")
     assert "draft input 'tokens' has shape [4], outside the engine's profile [1]..[3]" == p
 
 
@@ -318,31 +319,31 @@ def test_trt_dtype_names():
         def __str__(self):
             return f"DataType.{self.n}"
 
-    assert [tb.trt_dtype_name(DataType(n)) for n in ("FLOAT", "HALF", "BF16", "INT64", "INT32", "BOOL")] == \
+    assert [tio.trt_dtype_name(DataType(n)) for n in ("FLOAT", "HALF", "BF16", "INT64", "INT32", "BOOL")] == \
         ["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 
 
 def test_check_engine_io():
     m = toy_manifest()
-    io = tb.split_io(*tb.graph_specs(m, "draft"), LAYERS, "draft")
+    io = tio.split_io(*tio.graph_specs(m, "draft"), LAYERS, "draft")
     good = [(s.name, s.is_input, s.dtype) for s in io.inputs + io.all_outputs]
-    assert tb.check_engine_io("draft", io, good, "ART") == {s.name for s in io.inputs}
+    assert tio.check_engine_io("draft", io, good, "ART") == {s.name for s in io.inputs}
     # TensorRT may drop an input the network never reads: bind only what the engine has
-    assert "uniforms" not in tb.check_engine_io("draft", io, [t for t in good if t[0] != "uniforms"], "ART")
+    assert "uniforms" not in tio.check_engine_io("draft", io, [t for t in good if t[0] != "uniforms"], "ART")
     bad = [(n, i, "float16" if n == "survival" else d) for n, i, d in good]
     with pytest.raises(DsparkError, match=r"'survival' is float16 in the engine, float32 in the graph: rebuild with "
                                           r"`dspark-trt build ART`"):
-        tb.check_engine_io("draft", io, bad, "ART")
+        tio.check_engine_io("draft", io, bad, "ART")
     with pytest.raises(DsparkError, match="no output 'survival'"):
-        tb.check_engine_io("draft", io, [t for t in good if t[0] != "survival"], "ART")
+        tio.check_engine_io("draft", io, [t for t in good if t[0] != "survival"], "ART")
     with pytest.raises(DsparkError, match=r"has 'logits'.*\(\+1 more\)"):
-        tb.check_engine_io("draft", io, good + [("logits", False, "float32"), ("x", True, "int64")], "ART")
+        tio.check_engine_io("draft", io, good + [("logits", False, "float32"), ("x", True, "int64")], "ART")
 
 
 def test_kv_dtype_and_alignment():
-    assert tb.kv_dtype_for(toy_manifest("bfloat16"), LAYERS, SLOTS, KVH, HD) == "bfloat16"
-    assert tb.kv_dtype_for(toy_manifest(), LAYERS, SLOTS, KVH, HD) == "float32"
-    assert tb.kv_dtype_for(toy_manifest("float16"), LAYERS + 5, SLOTS, KVH, HD) == "float16"  # model dtype
+    assert tio.kv_dtype_for(toy_manifest("bfloat16"), LAYERS, SLOTS, KVH, HD) == "bfloat16"
+    assert tio.kv_dtype_for(toy_manifest(), LAYERS, SLOTS, KVH, HD) == "float32"
+    assert tio.kv_dtype_for(toy_manifest("float16"), LAYERS + 5, SLOTS, KVH, HD) == "float16"  # model dtype
     assert aligned_elems(1, 4) == 64 and aligned_elems(64, 4) == 64 and aligned_elems(65, 2) == 128
     assert aligned_elems(0, 8) == 0
 
@@ -367,28 +368,28 @@ def _with_engines(tmp_path, m, **over):
 def test_select_engines(tmp_path):
     m = toy_manifest()
     with pytest.raises(DsparkError) as e:
-        tb.select_engines(m, tmp_path, "10.9.0", "9.0")
+        tio.select_engines(m, tmp_path, "10.9.0", "9.0")
     assert str(e.value) == f"no TensorRT engines in {tmp_path}: run `dspark-trt build {tmp_path}` on this GPU"
 
     m = _with_engines(tmp_path, toy_manifest())
-    sel = tb.select_engines(m, tmp_path, "10.9.0.34", (9, 0))
+    sel = tio.select_engines(m, tmp_path, "10.9.0.34", (9, 0))
     assert sel["draft"][0] == tmp_path / "engines" / "draft.engine" and sel["target"][1]["plugin_mode"] == "aot"
     with pytest.raises(DsparkError, match=rf"TensorRT version differ.*rebuild with `dspark-trt build {tmp_path}`"):
-        tb.select_engines(m, tmp_path, "10.12.0", "9.0")
+        tio.select_engines(m, tmp_path, "10.12.0", "9.0")
     with pytest.raises(DsparkError, match="GPU architecture differ"):
-        tb.select_engines(m, tmp_path, "10.9.0", "8.9")
+        tio.select_engines(m, tmp_path, "10.9.0", "8.9")
     stale = _with_engines(tmp_path, toy_manifest(), onnx_sha256="cd" * 32)
     with pytest.raises(DsparkError, match="built from an earlier export of draft.onnx: rebuild"):
-        tb.select_engines(stale, tmp_path, "10.9.0", "9.0")
+        tio.select_engines(stale, tmp_path, "10.9.0", "9.0")
     (tmp_path / "engines" / "target.engine").write_bytes(b"changed")
     with pytest.raises(DsparkError, match="does not match the sha256 recorded at build time"):
-        tb.select_engines(m, tmp_path, "10.9.0", "9.0")
+        tio.select_engines(m, tmp_path, "10.9.0", "9.0")
     (tmp_path / "engines" / "target.engine").unlink()
     with pytest.raises(DsparkError, match="is missing: rebuild"):
-        tb.select_engines(m, tmp_path, "10.9.0", "9.0")
+        tio.select_engines(m, tmp_path, "10.9.0", "9.0")
     del m["engines"]["target"]
     with pytest.raises(DsparkError, match="no TensorRT engine for the target graph"):
-        tb.select_engines(m, tmp_path, "10.9.0", "9.0")
+        tio.select_engines(m, tmp_path, "10.9.0", "9.0")
 
 
 # ------------------------------------------------------------------------------------------- without TensorRT
@@ -520,7 +521,7 @@ def test_backend_binds_cache_views_and_matches_host():
             np.testing.assert_array_equal(a.numpy(), b)
         # past inputs were bound with no copy: the engine read the cache's own memory
         ctx = be.runners["draft"].context
-        for name, view in zip(tb.kv_names(LAYERS, "past"), dev.past(p)):
+        for name, view in zip(tio.kv_names(LAYERS, "past"), dev.past(p)):
             assert ctx.addrs[name] == view.data_ptr()
         dev.write(present, f["positions"], token_slots(f))
         host.write(want_present, f["positions"], token_slots(f))
@@ -569,7 +570,7 @@ def test_backend_errors_and_shape_fallbacks():
 def test_backend_binds_only_engine_inputs():
     torch = pytest.importorskip("torch")
     m = toy_manifest()
-    ins, outs = tb.graph_specs(m, "draft")
+    ins, outs = tio.graph_specs(m, "draft")
     eio = [(s.name, s.is_input, s.dtype) for s in ins + outs if s.name != "uniforms"]  # dropped by TensorRT
     be = tb.TrtBackend.from_contexts("ART", m, {"draft": (FakeContext("draft", m, dropped={"uniforms"}), eio),
                                                 "target": (FakeContext("target", m), None)}, torch)

@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
-
 from dspark_trt.errors import DsparkError
 from dspark_trt.manifest import Manifest, load_manifest
 from dspark_trt.runtime.config import GenerationConfig
