@@ -27,11 +27,11 @@ import sys
 from dataclasses import dataclass
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.plugins.spec import OPS, PLUGIN_NAMESPACE  # noqa: F401 (PLUGIN_NAMESPACE re-exported)
 
 MIN_TENSORRT = "10.9"
 PLUGIN_MODULE = "dspark_trt.plugins.tensorrt_plugins"
-PLUGIN_NAMESPACE = "dspark"
-PLUGIN_IDS = ("dspark::Survival", "dspark::GreedyAccept", "dspark::SampleAccept")
+PLUGIN_IDS = tuple(op.plugin_id for op in OPS.values())  # every dspark op, Markov ops included
 PLUGIN_IMPLS = ("aot", "jit")
 
 NOT_INSTALLED = ("TensorRT is not installed: pip install 'dspark-trt[trt]' on a machine with an NVIDIA GPU "

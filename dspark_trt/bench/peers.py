@@ -16,11 +16,11 @@ import time
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.manifest_schema import MODEL_DTYPE_TO_ONNX
 
 PEER_MODES = ("hf:target", "hf:assisted")
 PEER_LABELS = {"hf:target": "transformers generate (target only)",
                "hf:assisted": "transformers assisted generation (draft as assistant_model)"}
-_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
 def _import():
@@ -46,7 +46,7 @@ def load_pair(target_dir, draft_dir, dtype: str = "fp32", device: str = "auto"):
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     # Half precision matmuls on CPU are slow or missing: peers on CPU run in fp32 (as the ORT CPU backend).
-    tdtype = getattr(torch, _DTYPES.get(dtype, "float32")) if device != "cpu" else torch.float32
+    tdtype = getattr(torch, MODEL_DTYPE_TO_ONNX.get(dtype, "float32")) if device != "cpu" else torch.float32
     transformers.utils.logging.set_verbosity_error()
     try:
         transformers.utils.logging.disable_progress_bar()

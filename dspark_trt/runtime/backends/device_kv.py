@@ -23,13 +23,13 @@ from contextlib import nullcontext
 import numpy as np
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.manifest_schema import MODEL_DTYPE_TO_ONNX
 
 ALIGN_BYTES = 256
 
 # manifest / numpy dtype names -> torch dtype attribute names
 _TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16", "int64": "int64",
-                 "int32": "int32", "bool": "bool", "uint8": "uint8", "int8": "int8",
-                 "fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+                 "int32": "int32", "bool": "bool", "uint8": "uint8", "int8": "int8", **MODEL_DTYPE_TO_ONNX}
 
 
 def aligned_elems(n: int, itemsize: int, align: int = ALIGN_BYTES) -> int:

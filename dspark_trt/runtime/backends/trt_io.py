@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.manifest import kv_names
+from dspark_trt.manifest_schema import MODEL_DTYPE_TO_ONNX
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."  # manifest.kv_names' prefixes
 GRAPHS = ("draft", "target")
@@ -271,7 +272,7 @@ def kv_dtype_for(manifest: Any, num_layers: int, slots: int, kv_heads: int, head
         if len(past) == 2 * num_layers and all(tuple(s.shape[1:]) == (slots, kv_heads, head_dim) for s in past):
             return past[0].dtype
     dtype = (_data(manifest).get("model") or {}).get("dtype")
-    return {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(dtype)
+    return MODEL_DTYPE_TO_ONNX.get(dtype)
 
 
 # ============================================================================ one engine, bound and run
