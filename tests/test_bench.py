@@ -362,7 +362,7 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
     assert peers["hf:assisted"]["assistant"]["num_assistant_tokens"]
     assert {c["mode"] for c in res["comparison_c1"]} >= {"off", "adaptive", "hf:target", "hf:assisted"}
     md = (out / "results.md").read_text()
-    assert res["env"]["command"] in md and "adaptive / max(off, best fixed)" in md and "README snippet" in md
+    assert res["env"]["command"] in md and "adaptive / max(off, best fixed)" in md and "## Headline" in md
     assert "transformers assisted generation" in md
     assert (out / "throughput.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -191,7 +191,7 @@ def render_markdown(result: dict) -> str:
         if assisted:
             L += ["", f"transformers assisted generation settings: {assisted['assistant']} "
                       f"(device {assisted['device']}, {assisted['threads']} torch threads)."]
-    L += ["", "## Definitions", "", DEFINITIONS, "## README snippet", "", "````markdown", readme_snippet(result), "````", ""]
+    L += ["", "## Definitions", "", DEFINITIONS, "## Headline (the command and the table docs/benchmarks.md quotes)", "", headline(result), ""]
     return "\n".join(L)
 
 
@@ -204,7 +204,7 @@ def _drift(x) -> str:
     return f"{x - 1:.0%}" if x is not None else "-"
 
 
-def readme_snippet(result: dict) -> str:
+def headline(result: dict) -> str:
     env = result["env"]
     L = ["```bash", env["command"], "```", "",
          f"{env['cpu']}, backend {env['backend']}, {result['settings']['max_new_tokens']} new tokens per request, "
