@@ -84,6 +84,12 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     for name, d in (("--target", target_dir), ("--draft", draft_dir)):
         if not d.is_dir():
             raise DsparkError(f"{name} directory {d} does not exist")
+    from dspark_trt.models.dspark_config import is_dspark_dir
+
+    if is_dspark_dir(draft_dir):
+        raise DsparkError(f"--draft {draft_dir} is a DSpark drafter (vLLM's format): its graphs export "
+                          "(dspark_trt.exporter.dspark_artifact) but generate/serve/bench cannot run it yet; "
+                          "see docs/dspark-drafters.md")
     if head_dir is None and has_head(draft_dir):  # dspark_head/ subfolder, or a legacy top-level head
         head_dir = draft_dir
     if head_dir is not None and not Path(head_dir).is_dir():

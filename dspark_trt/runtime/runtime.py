@@ -153,6 +153,10 @@ class Runtime:
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
         manifest = load_manifest(artifact_dir)
+        if manifest.drafter_kind != "classic":
+            raise DsparkError(f"{artifact_dir} holds a {manifest.drafter_kind!r} drafter, which the runtime "
+                              "cannot run yet (runtime/dspark_drafting.py drives it directly; see "
+                              "docs/dspark-drafters.md)")
         # the backend first: it says what to install or build, if anything
         be = make_backend(backend, artifact_dir, manifest, **(backend_options or {}))
         verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it
