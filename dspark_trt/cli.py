@@ -216,7 +216,7 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
           force):
     """Benchmark every speculation mode: throughput vs concurrency (closed loop), or latency and goodput
     under Poisson arrivals (open loop: --rates, --via-http)."""
-    command = "dspark-trt " + " ".join(sys.argv[1:])
+    command = "dspark-trt " + " ".join(_redact_secrets(sys.argv[1:]))
 
     def given(name):
         return ctx.get_parameter_source(name) not in (click.core.ParameterSource.DEFAULT,
@@ -291,6 +291,20 @@ def serve(artifact_dir, backend, host, port, max_batch, max_context, max_queue, 
                          api_key=api_key or None)
     run(artifact_dir, backend=backend, host=host, port=port, max_batch=max_batch, max_queue=max_queue,
         limits=limits, max_context=max_context)
+
+
+def _redact_secrets(args: list[str]) -> list[str]:
+    """The command line as recorded in results files, with the value of --api-key hidden."""
+    out, hide = [], False
+    for a in args:
+        if hide:
+            out.append("***")
+        elif a.startswith("--api-key="):
+            out.append("--api-key=***")
+        else:
+            out.append(a)
+        hide = a == "--api-key"
+    return out
 
 
 def main(argv=None) -> None:
