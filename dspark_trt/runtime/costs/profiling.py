@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +25,6 @@ def profile_path(artifact_dir, backend: str) -> Path:
 
 def profile_meta(manifest: dict, backend: str) -> dict:
     files = manifest.get("files", {})
-    import os
-
     return {"artifact": {k: v.get("sha256") for k, v in sorted(files.items())}, "backend": backend,
             "cpu_count": os.cpu_count(), "timing": TIMING}
 
@@ -110,7 +110,14 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
 
     time_verify = timer(rt.backend.run_target, _verify_feeds, rt.target_kv)
     time_draft = timer(rt.backend.run_draft, _draft_feeds, rt.draft_kv)
-    vp, dp = profile_points(time_verify, time_draft, max_tokens, max_batch, repeats, progress=progress, warmup=1)
+    # Robust points: round-robin over all sizes, a point is replayed until its kept timings (the slow
+    # tail dropped) agree to within profile.max_spread or it has profile.max_repeats timings; the machine's
+    # load around the measurement goes into the meta with the resulting spread.
+    load_before = _loadavg()
+    stats: dict = {}
+    vp, dp = profile_points(time_verify, time_draft, max_tokens, max_batch, repeats, progress=progress, warmup=1,
+                            max_spread=p.max_spread, max_repeats=p.max_repeats, keep_quantile=p.keep_quantile,
+                            stats=stats)
     layouts = shape_layouts(rt)
     time_shape = timer(rt.backend.run_target, lambda rt, i: _packed_verify_feeds(rt, *layouts[i]), rt.target_kv,
                        past_of=lambda i: layouts[i][1], all_times=True)
@@ -135,8 +142,29 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
                 bar.update(1)
     shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, p.shape_quantile))]
               for (q, past), t in zip(layouts, timings)]
-    return CostTable.from_measurements(vp, dp, dict(profile_meta(rt.manifest, rt.backend.name), past=p.past),
-                                       max_tokens=max_tokens, max_batch=max_batch, shape_points=shapes)
+    meta = dict(profile_meta(rt.manifest, rt.backend.name), past=p.past, spread=round(stats["spread"], 4),
+                spread_max=round(stats["spread_max"], 4), rounds=stats["rounds"],
+                load={"before": load_before, "after": _loadavg()})
+    return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=max_batch,
+                                       shape_points=shapes)
+
+
+def _loadavg() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (None where the platform has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def spread_refusal(meta: dict, limit: float) -> str | None:
+    """Why a measured profile should not be saved (its timings' spread above `limit`), or None."""
+    spread = meta.get("spread")
+    if spread is None or spread <= limit:
+        return None
+    load = (meta.get("load") or {}).get("after") or (meta.get("load") or {}).get("before")
+    busy = f"machine busy, load {load[0]:.1f} on {meta.get('cpu_count') or os.cpu_count()} cores" if load else "machine busy"
+    return f"timings spread {spread:.0%} (over {limit:.0%}; {busy})"
 
 
 def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: int | None = None,
@@ -151,6 +179,12 @@ def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: 
         if not measure_if_missing:
             raise
     table = quick_or_full_profile(rt, repeats=repeats, progress=progress)
+    why = spread_refusal(table.meta, rt.tuning.profile.persist_spread)
+    if why:
+        # A starting point only for this run: saving it would make every later start plan with it.
+        msg = f"cost profile not saved: {why}; it will be measured again next start"
+        print(msg, file=sys.stderr)
+        return table
     try:
         table.save(path)
     except OSError:
