@@ -132,3 +132,63 @@ def test_the_profile_command_refuses_a_wide_spread_unless_forced(tiny_artifact, 
     assert "\n" not in str(e.value) and not profiling.profile_path(art, "ort").exists()
     saved = command.profile_artifact(art, force=True)
     assert json.loads(saved.read_text())["meta"]["spread"] == 0.6
+
+
+# ------------------------------------------------------------------------- item 2: persisting what was learned
+
+def _closing_rt(tmp_path, table):
+    return SimpleNamespace(artifact_dir=tmp_path, backend=SimpleNamespace(name="ort"), cost=table,
+                           tuning=RuntimeTuning())
+
+
+def _full_table():
+    return CostTable(np.arange(33, dtype=float) * 10.0, np.arange(9, dtype=float) + 1.0, {"spread": 0.05},
+                     points={"verify": {"8": [80.0]}})
+
+
+def test_a_full_profile_that_observed_calls_contradict_is_refitted_and_saved_at_close(tmp_path):
+    table = _full_table()
+    path = table.save(profiling.profile_path(tmp_path, "ort"))
+    for _ in range(60):  # real calls take twice the profiled time
+        table.observe_verify(8, 160.0)
+        table.observe_draft(4, 10.0)
+    assert profiling.persist_refined(_closing_rt(tmp_path, table)) == path
+    saved = CostTable.load(path)
+    # the saved tables moved most of the way from the profile (80 ms, 5 ms) to the observations (160, 10)
+    assert abs(saved.verify_ms(8, corrected=False) - 160.0) < 0.25 * 80.0
+    assert abs(saved.draft_ms(4, corrected=False) - 10.0) < 0.25 * 5.0
+    assert saved.meta["refined_observations"] == 120 and saved.meta["refined_from"]["kind"] == "full"
+    assert saved.meta["refined_from"]["disagreement"] > 0.25 and saved.meta["spread"] == 0.05
+    assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+
+
+def test_a_full_profile_that_observed_calls_agree_with_is_left_untouched(tmp_path):
+    table = _full_table()
+    path = table.save(profiling.profile_path(tmp_path, "ort"))
+    before = path.read_bytes(), path.stat().st_mtime_ns
+    for _ in range(200):  # within the margin: 10% slower
+        table.observe_verify(8, 88.0)
+        table.observe_draft(4, 5.5)
+    assert profiling.persist_refined(_closing_rt(tmp_path, table)) is None
+    assert (path.read_bytes(), path.stat().st_mtime_ns) == before
+
+
+def test_too_few_observations_do_not_refit_a_full_profile(tmp_path):
+    table = _full_table()
+    for _ in range(10):
+        table.observe_verify(8, 160.0)
+    assert profiling.persist_refined(_closing_rt(tmp_path, table)) is None
+    assert not profiling.profile_path(tmp_path, "ort").exists()
+
+
+def test_a_failed_save_leaves_the_old_profile_whole(tmp_path, monkeypatch):
+    path = _full_table().save(tmp_path / "cost_profile.json")
+    before = path.read_bytes()
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("dspark_trt.runtime.costs.table.os.replace", boom)
+    with pytest.raises(OSError):
+        CostTable(np.arange(5.0), np.arange(3.0)).save(path)
+    assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]

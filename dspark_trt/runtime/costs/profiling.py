@@ -163,7 +163,8 @@ def spread_refusal(meta: dict, limit: float) -> str | None:
     if spread is None or spread <= limit:
         return None
     load = (meta.get("load") or {}).get("after") or (meta.get("load") or {}).get("before")
-    busy = f"machine busy, load {load[0]:.1f} on {meta.get('cpu_count') or os.cpu_count()} cores" if load else "machine busy"
+    cores = meta.get("cpu_count") or os.cpu_count()
+    busy = f"machine busy, load {load[0]:.1f} on {cores} cores" if load else "machine busy"
     return f"timings spread {spread:.0%} (over {limit:.0%}; {busy})"
 
 
@@ -229,19 +230,39 @@ def quick_or_full_profile(rt, repeats: int | None = None, progress: bool = True,
 REFINE_MIN_OBSERVATIONS = 16
 
 
+def disagreement(cost) -> float:
+    """How far observed calls are from the profile: the largest drift factor f at any observed size, as
+    max(f, 1 / f) - 1 (0: they agree; 1: calls take twice, or half, the profiled time)."""
+    factors = [f for d in cost.drift().values() for f in d["by_size"].values()]
+    return max((max(f, 1.0 / f) - 1.0 for f in factors if f > 0), default=0.0)
+
+
 def persist_refined(rt) -> Path | None:
-    """At close: a quick start-up profile is replaced by its drift-corrected tables (what the runtime
-    learned from real calls), so the next start begins from them. Full profiles are left alone."""
+    """At close: save the drift-corrected tables (what the runtime learned from real calls) in place of the
+    profile, so the next start begins from them. A quick start-up profile is replaced once observed
+    REFINE_MIN_OBSERVATIONS times; a full one only when its observed calls disagree with it by more than
+    DriftTuning.refine_margin over at least DriftTuning.refine_observations calls (a profile measured on a
+    busy machine, or a machine that changed since). The meta says so: ``refined_observations`` (calls
+    learned from, summed over refinements) and ``refined_from`` (the profile's kind and how far apart)."""
     from dspark_trt.runtime.costs.table import CostTable
+    from dspark_trt.runtime.tuning import DriftTuning
 
     cost = getattr(rt, "cost", None)
-    if cost is None or not cost.meta.get("quick"):
+    if cost is None:
         return None
     seen = sum(d["observations"] for d in cost.drift().values())
-    if seen < REFINE_MIN_OBSERVATIONS:
+    quick = bool(cost.meta.get("quick"))
+    tuning = getattr(getattr(rt, "tuning", None), "drift", None) or DriftTuning()
+    apart = disagreement(cost)
+    if quick:
+        if seen < REFINE_MIN_OBSERVATIONS:
+            return None
+    elif seen < tuning.refine_observations or apart <= tuning.refine_margin:
         return None
     tables = [np.maximum.accumulate(np.asarray(t, dtype=np.float64)) for t in (cost.verify_table(), cost.draft_table())]
-    meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen))
+    meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen),
+                refined_from=dict(cost.meta.get("refined_from") or {"kind": "quick" if quick else "full"},
+                                  disagreement=round(apart, 4)))
     try:
         return CostTable(*tables, meta, points=cost.points).save(profile_path(rt.artifact_dir, rt.backend.name))
     except OSError:

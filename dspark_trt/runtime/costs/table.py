@@ -353,9 +353,18 @@ class CostTable:
         path = Path(path)
         if path.is_dir():
             path = path / PROFILE_FILENAME
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        # Atomically: a reader (another process starting on the artifact) sees the old profile or the new
+        # one, never part of one; one temporary per process, so two closing runtimes do not share it.
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        try:
+            with open(tmp, "w") as f:
+                f.write(json.dumps(self.to_dict(), indent=1, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod
