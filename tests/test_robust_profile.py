@@ -141,17 +141,22 @@ def _closing_rt(tmp_path, table):
                            tuning=RuntimeTuning())
 
 
+SHAPES = [[1, 1, 1, 32, 2.0], [8, 2, 4, 32, 6.0], [16, 16, 1, 32, 9.0], [32, 8, 4, 192, 30.0], [4, 4, 1, 192, 5.0]]
+
+
 def _full_table():
     return CostTable(np.arange(33, dtype=float) * 10.0, np.arange(9, dtype=float) + 1.0, {"spread": 0.05},
-                     points={"verify": {"8": [80.0]}})
+                     points={"verify": {"8": [80.0]}, "verify_shapes": SHAPES})
 
 
 def test_a_full_profile_that_observed_calls_contradict_is_refitted_and_saved_at_close(tmp_path):
     table = _full_table()
     path = table.save(profiling.profile_path(tmp_path, "ort"))
+    model = table.call_shape
     for _ in range(60):  # real calls take twice the profiled time
         table.observe_verify(8, 160.0)
         table.observe_draft(4, 10.0)
+        model.observe(8, 2, 4, 32, 2 * model.base_ms(8, 2, 4, 32))
     assert profiling.persist_refined(_closing_rt(tmp_path, table)) == path
     saved = CostTable.load(path)
     # the saved tables moved most of the way from the profile (80 ms, 5 ms) to the observations (160, 10)
@@ -160,6 +165,8 @@ def test_a_full_profile_that_observed_calls_contradict_is_refitted_and_saved_at_
     assert saved.meta["refined_observations"] == 120 and saved.meta["refined_from"]["kind"] == "full"
     assert saved.meta["refined_from"]["disagreement"] > 0.25 and saved.meta["spread"] == 0.05
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
+    # the call-shape model, fitted again from its timings scaled by the observed drift, moved too
+    assert saved.call_shape.ms(8, 2, 4, 32) > 1.6 * model.base_ms(8, 2, 4, 32)
 
 
 def test_a_full_profile_that_observed_calls_agree_with_is_left_untouched(tmp_path):

@@ -234,6 +234,8 @@ def disagreement(cost) -> float:
     """How far observed calls are from the profile: the largest drift factor f at any observed size, as
     max(f, 1 / f) - 1 (0: they agree; 1: calls take twice, or half, the profiled time)."""
     factors = [f for d in cost.drift().values() for f in d["by_size"].values()]
+    if cost.call_shape is not None:  # the call-shape model's drift, per call width it observed
+        factors += [math.exp(x) for x in cost.call_shape.width_drift.values()]
     return max((max(f, 1.0 / f) - 1.0 for f in factors if f > 0), default=0.0)
 
 
@@ -263,8 +265,14 @@ def persist_refined(rt) -> Path | None:
     meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen),
                 refined_from=dict(cost.meta.get("refined_from") or {"kind": "quick" if quick else "full"},
                                   disagreement=round(apart, 4)))
+    points = dict(cost.points)
+    if cost.call_shape is not None and cost.call_shape.width_drift and points.get("verify_shapes"):
+        # The call shapes' timings scaled by what their widths' calls were observed to take: the model is
+        # fitted again from them at the next load.
+        points["verify_shapes"] = [[*row[:4], row[4] * math.exp(cost.call_shape.drift(int(row[1])))]
+                                   for row in points["verify_shapes"]]
     try:
-        return CostTable(*tables, meta, points=cost.points).save(profile_path(rt.artifact_dir, rt.backend.name))
+        return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, rt.backend.name))
     except OSError:
         return None  # a read-only artifact: refine again next time
 
