@@ -100,7 +100,8 @@ class _Cache:
 def test_measure_records_the_machines_load_and_the_spread(monkeypatch):
     loads = iter([(1.0, 0.5, 0.25), (2.0, 1.0, 0.5)])
     monkeypatch.setattr(profiling.os, "getloadavg", lambda: next(loads))
-    monkeypatch.setattr(profiling, "shape_layouts", lambda rt: [([1], 4), ([2, 1], 4), ([4], 4), ([1, 1], 32), ([3, 3], 32)])
+    layouts = [([1], 4), ([2, 1], 4), ([4], 4), ([1, 1], 32), ([3, 3], 32)]
+    monkeypatch.setattr(profiling, "shape_layouts", lambda rt: layouts)
     monkeypatch.setattr(profiling, "_verify_feeds", lambda rt, t: {"positions": t})
     monkeypatch.setattr(profiling, "_draft_feeds", lambda rt, b: {"positions": b})
     monkeypatch.setattr(profiling, "_packed_verify_feeds", lambda rt, q, past: {"positions": q})
