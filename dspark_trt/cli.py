@@ -99,14 +99,15 @@ def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, ma
 @cli.command()
 @click.argument("artifact_dir", type=click.Path())
 @backend_option
-@click.option("--repeats", default=5, type=click.IntRange(1), help="Repeats per point (median is kept).")
+@click.option("--repeats", default=5, type=click.IntRange(1), help="Repeats per point, at least (more while its timings spread; a low quantile is kept).")
 @click.option("--context", default=None, type=int,
               help="Cached tokens per row in the profiled calls (default 128; a serving context is more realistic).")
-def profile(artifact_dir, backend, repeats, context):
+@click.option("--force", is_flag=True, help="Save the profile even if its timings spread too much (busy machine).")
+def profile(artifact_dir, backend, repeats, context, force):
     """Measure verify/draft step costs and save cost_profile.json."""
     from dspark_trt.commands.profile import profile_artifact
 
-    path = profile_artifact(artifact_dir, backend=backend, repeats=repeats, context=context)
+    path = profile_artifact(artifact_dir, backend=backend, repeats=repeats, context=context, force=force)
     click.echo(f"wrote {path}")
 
 

@@ -6,13 +6,15 @@ import dataclasses
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.runtime.costs.profiling import measure, profile_path
+from dspark_trt.runtime.costs.profiling import measure, profile_path, spread_refusal
 from dspark_trt.runtime.runtime import Runtime
 from dspark_trt.runtime.tuning import RuntimeTuning
 
 
-def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5, context: int | None = None) -> Path:
-    """context: cached tokens per row in the profiled calls (default: ProfileTuning.past). A realistic
+def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5, context: int | None = None,
+                     force: bool = False) -> Path:
+    """force: save the profile even if its timings spread too much (ProfileTuning.persist_spread).
+    context: cached tokens per row in the profiled calls (default: ProfileTuning.past). A realistic
     serving context prices verify calls as they will run (vLLM profiles at 8192 by default); the
     call-shape model keeps how costs grow with the past either way."""
     tuning = RuntimeTuning()
@@ -25,6 +27,10 @@ def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5, conte
                           f"(the artifact's max context {rt.max_context} less a verify row)")
     try:
         table = measure(rt, repeats=repeats)
+        why = spread_refusal(table.meta, rt.tuning.profile.persist_spread)
+        if why and not force:
+            raise DsparkError(f"cost profile not saved: {why}; profile again on a quieter machine, "
+                              f"or pass --force to save it anyway")
         return table.save(profile_path(artifact_dir, backend))
     finally:
         rt.close()

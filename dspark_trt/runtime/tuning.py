@@ -84,6 +84,14 @@ class DriftTuning:
     shape_alpha: float = 0.05
     """Weight of one observed target call in the call-shape model's drift (per call width)."""
 
+    refine_margin: float = 0.25
+    """At close, a full profile whose observed calls disagree with it by more than this (a drift factor
+    above 1 + margin or below 1 / (1 + margin) at some observed size) is replaced by its drift-corrected
+    tables. Quick profiles are always replaced once observed enough."""
+
+    refine_observations: int = 64
+    """Observed calls (verify and draft together) needed before a full profile is re-fitted at close."""
+
 
 @dataclass(frozen=True)
 class CorrectionTuning:
@@ -143,6 +151,22 @@ class ProfileTuning:
     shape_quantile: float = 25.0
     """Percentile of a call shape's timings kept: preemption by other processes only ever adds time, so a
     low quantile keeps one slowed-down shape from pulling the whole fit off."""
+
+    keep_quantile: float = 75.0
+    """Percentile of a verify/draft point's timings at or below which they are kept (the rest is dropped
+    as outliers: preemption only ever adds time). 100 keeps every timing."""
+
+    max_spread: float = 0.15
+    """A point gets further round-robin replays while the relative spread (IQR / median) of its kept
+    timings is above this, up to max_repeats. Smaller measures longer and more precisely."""
+
+    max_repeats: int = 12
+    """Most timed replays of one verify/draft point while its spread is above max_spread."""
+
+    persist_spread: float = 0.35
+    """A measured profile whose spread (median over its points) stays above this is used for the run but
+    not saved (start-up), or refused by `dspark-trt profile` without --force: the machine was too busy
+    for its timings to be a starting point worth keeping."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -23,8 +25,6 @@ def profile_path(artifact_dir, backend: str) -> Path:
 
 def profile_meta(manifest: dict, backend: str) -> dict:
     files = manifest.get("files", {})
-    import os
-
     return {"artifact": {k: v.get("sha256") for k, v in sorted(files.items())}, "backend": backend,
             "cpu_count": os.cpu_count(), "timing": TIMING}
 
@@ -110,7 +110,14 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
 
     time_verify = timer(rt.backend.run_target, _verify_feeds, rt.target_kv)
     time_draft = timer(rt.backend.run_draft, _draft_feeds, rt.draft_kv)
-    vp, dp = profile_points(time_verify, time_draft, max_tokens, max_batch, repeats, progress=progress, warmup=1)
+    # Robust points: round-robin over all sizes, a point is replayed until its kept timings (the slow
+    # tail dropped) agree to within profile.max_spread or it has profile.max_repeats timings; the machine's
+    # load around the measurement goes into the meta with the resulting spread.
+    load_before = _loadavg()
+    stats: dict = {}
+    vp, dp = profile_points(time_verify, time_draft, max_tokens, max_batch, repeats, progress=progress, warmup=1,
+                            max_spread=p.max_spread, max_repeats=p.max_repeats, keep_quantile=p.keep_quantile,
+                            stats=stats)
     layouts = shape_layouts(rt)
     time_shape = timer(rt.backend.run_target, lambda rt, i: _packed_verify_feeds(rt, *layouts[i]), rt.target_kv,
                        past_of=lambda i: layouts[i][1], all_times=True)
@@ -135,8 +142,30 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
                 bar.update(1)
     shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, p.shape_quantile))]
               for (q, past), t in zip(layouts, timings)]
-    return CostTable.from_measurements(vp, dp, dict(profile_meta(rt.manifest, rt.backend.name), past=p.past),
-                                       max_tokens=max_tokens, max_batch=max_batch, shape_points=shapes)
+    meta = dict(profile_meta(rt.manifest, rt.backend.name), past=p.past, spread=round(stats["spread"], 4),
+                spread_max=round(stats["spread_max"], 4), rounds=stats["rounds"],
+                load={"before": load_before, "after": _loadavg()})
+    return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=max_batch,
+                                       shape_points=shapes)
+
+
+def _loadavg() -> list[float] | None:
+    """The machine's 1, 5 and 15 minute load averages (None where the platform has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def spread_refusal(meta: dict, limit: float) -> str | None:
+    """Why a measured profile should not be saved (its timings' spread above `limit`), or None."""
+    spread = meta.get("spread")
+    if spread is None or spread <= limit:
+        return None
+    load = (meta.get("load") or {}).get("after") or (meta.get("load") or {}).get("before")
+    cores = meta.get("cpu_count") or os.cpu_count()
+    busy = f"machine busy, load {load[0]:.1f} on {cores} cores" if load else "machine busy"
+    return f"timings spread {spread:.0%} (over {limit:.0%}; {busy})"
 
 
 def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: int | None = None,
@@ -151,6 +180,12 @@ def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: 
         if not measure_if_missing:
             raise
     table = quick_or_full_profile(rt, repeats=repeats, progress=progress)
+    why = spread_refusal(table.meta, rt.tuning.profile.persist_spread)
+    if why:
+        # A starting point only for this run: saving it would make every later start plan with it.
+        msg = f"cost profile not saved: {why}; it will be measured again next start"
+        print(msg, file=sys.stderr)
+        return table
     try:
         table.save(path)
     except OSError:
@@ -195,21 +230,49 @@ def quick_or_full_profile(rt, repeats: int | None = None, progress: bool = True,
 REFINE_MIN_OBSERVATIONS = 16
 
 
+def disagreement(cost) -> float:
+    """How far observed calls are from the profile: the largest drift factor f at any observed size, as
+    max(f, 1 / f) - 1 (0: they agree; 1: calls take twice, or half, the profiled time)."""
+    factors = [f for d in cost.drift().values() for f in d["by_size"].values()]
+    if cost.call_shape is not None:  # the call-shape model's drift, per call width it observed
+        factors += [math.exp(x) for x in cost.call_shape.width_drift.values()]
+    return max((max(f, 1.0 / f) - 1.0 for f in factors if f > 0), default=0.0)
+
+
 def persist_refined(rt) -> Path | None:
-    """At close: a quick start-up profile is replaced by its drift-corrected tables (what the runtime
-    learned from real calls), so the next start begins from them. Full profiles are left alone."""
+    """At close: save the drift-corrected tables (what the runtime learned from real calls) in place of the
+    profile, so the next start begins from them. A quick start-up profile is replaced once observed
+    REFINE_MIN_OBSERVATIONS times; a full one only when its observed calls disagree with it by more than
+    DriftTuning.refine_margin over at least DriftTuning.refine_observations calls (a profile measured on a
+    busy machine, or a machine that changed since). The meta says so: ``refined_observations`` (calls
+    learned from, summed over refinements) and ``refined_from`` (the profile's kind and how far apart)."""
     from dspark_trt.runtime.costs.table import CostTable
+    from dspark_trt.runtime.tuning import DriftTuning
 
     cost = getattr(rt, "cost", None)
-    if cost is None or not cost.meta.get("quick"):
+    if cost is None:
         return None
     seen = sum(d["observations"] for d in cost.drift().values())
-    if seen < REFINE_MIN_OBSERVATIONS:
+    quick = bool(cost.meta.get("quick"))
+    tuning = getattr(getattr(rt, "tuning", None), "drift", None) or DriftTuning()
+    apart = disagreement(cost)
+    if quick:
+        if seen < REFINE_MIN_OBSERVATIONS:
+            return None
+    elif seen < tuning.refine_observations or apart <= tuning.refine_margin:
         return None
     tables = [np.maximum.accumulate(np.asarray(t, dtype=np.float64)) for t in (cost.verify_table(), cost.draft_table())]
-    meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen))
+    meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen),
+                refined_from=dict(cost.meta.get("refined_from") or {"kind": "quick" if quick else "full"},
+                                  disagreement=round(apart, 4)))
+    points = dict(cost.points)
+    if cost.call_shape is not None and cost.call_shape.width_drift and points.get("verify_shapes"):
+        # The call shapes' timings scaled by what their widths' calls were observed to take: the model is
+        # fitted again from them at the next load.
+        points["verify_shapes"] = [[*row[:4], row[4] * math.exp(cost.call_shape.drift(int(row[1])))]
+                                   for row in points["verify_shapes"]]
     try:
-        return CostTable(*tables, meta, points=cost.points).save(profile_path(rt.artifact_dir, rt.backend.name))
+        return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, rt.backend.name))
     except OSError:
         return None  # a read-only artifact: refine again next time
 
