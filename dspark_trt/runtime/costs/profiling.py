@@ -213,7 +213,9 @@ def quick_or_full_profile(rt, repeats: int | None = None, progress: bool = True,
     repeats = repeats or rt.tuning.profile.repeats
     max_tokens = min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     probe = _probe_verify(rt, [1, max_tokens])
-    full_calls = [(t, repeats + 1) for t in measurement_points(max_tokens)] + [(max_tokens // 2, 2 * 16)]
+    # Priced at the worst case: a point replays until its spread settles, up to profile.max_repeats.
+    calls = max(repeats + 1, rt.tuning.profile.max_repeats)
+    full_calls = [(t, calls) for t in measurement_points(max_tokens)] + [(max_tokens // 2, 2 * 16)]
     predicted_s = sum(n * np.interp(t, [1, max_tokens], probe) for t, n in full_calls) / 1e3
     if predicted_s <= budget_s:
         return measure(rt, repeats=repeats, progress=progress)
