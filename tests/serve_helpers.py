@@ -1,10 +1,32 @@
-"""Helpers shared by the server tests: OpenAI error-shape checks and a /health latency probe."""
+"""Helpers shared by the server tests: the runtime and in-process server fixtures, OpenAI error-shape
+checks and a /health latency probe."""
 
 from __future__ import annotations
 
 import statistics
 import threading
 import time
+
+import pytest
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_artifact):
+    from dspark_trt.runtime import Runtime
+
+    runtime = Runtime.load(tiny_artifact, backend="ort")
+    yield runtime
+    runtime.close()
+
+
+@pytest.fixture(scope="module")
+def server(rt):
+    from dspark_trt.serve.server import ServerThread, create_app
+
+    with ServerThread(create_app(rt, model_name=MODEL)) as srv:
+        yield srv
 
 # /health bounds that hold on a busy 2-core machine; before issue 19 a 5 MB prompt stalled it 5-8 s. The
 # median is the goal (< 100 ms); the worst single probe is a stall guard: in one CI run a probe took 1.4 s

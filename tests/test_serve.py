@@ -26,23 +26,9 @@ from dspark_trt.errors import DsparkError  # noqa: E402
 from dspark_trt.runtime import GenerationConfig, Runtime  # noqa: E402
 from dspark_trt.serve.server import ServerThread, create_app, serve  # noqa: E402
 from dspark_trt.serve.text import TextStream  # noqa: E402
+from serve_helpers import MODEL, rt, server  # noqa: E402,F401 (fixtures)
 
-MODEL = "tiny"
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def __init__(self):", "x", "return self.x + 1\n"]
-
-
-@pytest.fixture(scope="module")
-def rt(tiny_artifact):
-    runtime = Runtime.load(tiny_artifact, backend="ort")
-    yield runtime
-    runtime.close()
-
-
-@pytest.fixture(scope="module")
-def server(rt):
-    app = create_app(rt, model_name=MODEL)
-    with ServerThread(app) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -18,24 +18,11 @@ httpx = pytest.importorskip("httpx")
 from dspark_trt.runtime import GenerationConfig, Runtime  # noqa: E402
 from dspark_trt.serve.chat import ChatTemplate, render_plain  # noqa: E402
 from dspark_trt.serve.server import ServerThread, create_app  # noqa: E402
+from serve_helpers import MODEL, rt, server  # noqa: E402,F401 (fixtures)
 
-MODEL = "tiny"
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def fib(n):"}]
 CHATML = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
           "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def rt(tiny_artifact):
-    runtime = Runtime.load(tiny_artifact, backend="ort")
-    yield runtime
-    runtime.close()
-
-
-@pytest.fixture(scope="module")
-def server(rt):
-    with ServerThread(create_app(rt, model_name=MODEL)) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")

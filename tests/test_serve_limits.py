@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from serve_helpers import HealthProbe, openai_error
+from serve_helpers import MODEL, HealthProbe, openai_error, rt, server  # noqa: F401 (fixtures)
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -22,20 +22,6 @@ from dspark_trt.runtime import Runtime  # noqa: E402
 from dspark_trt.serve.limits import ServeLimits  # noqa: E402
 from dspark_trt.serve.server import ServerThread, create_app  # noqa: E402
 
-MODEL = "tiny"
-
-
-@pytest.fixture(scope="module")
-def rt(tiny_artifact):
-    runtime = Runtime.load(tiny_artifact, backend="ort")
-    yield runtime
-    runtime.close()
-
-
-@pytest.fixture(scope="module")
-def server(rt):
-    with ServerThread(create_app(rt, model_name=MODEL)) as srv:
-        yield srv
 
 
 def post(srv, body, path="/v1/completions", **kw):

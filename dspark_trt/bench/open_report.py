@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
-from dspark_trt.bench.results import _fmt, _json_default
+from dspark_trt.bench.results import _fmt, write_results
 
 TPOT_GOAL, TTFT_GOAL, TOK_GOAL = 1.03, 1.10, 0.97
 
@@ -50,12 +48,7 @@ def _ratio(a, b):
 
 
 def write_open(out: Path, result: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for name, text in (("results.json", json.dumps(result, indent=1, default=_json_default) + "\n"),
-                       ("results.md", render_open(result))):
-        tmp = out / (name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, out / name)
+    write_results(out, result, render_open(result))
 
 
 def _p(d: dict, spec: str = ".1f") -> str:

@@ -220,9 +220,14 @@ def headline(result: dict) -> str:
 
 
 def _write(out: Path, result: dict) -> None:
+    write_results(out, result, render_markdown(result))
+
+
+def write_results(out: Path, result: dict, markdown: str) -> None:
+    """results.json and results.md, each replaced atomically (a reader never sees half a file)."""
     out.mkdir(parents=True, exist_ok=True)
     for name, text in (("results.json", json.dumps(result, indent=1, default=_json_default) + "\n"),
-                       ("results.md", render_markdown(result))):
+                       ("results.md", markdown)):
         tmp = out / (name + ".tmp")
         tmp.write_text(text)
         os.replace(tmp, out / name)
