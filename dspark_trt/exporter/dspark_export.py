@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from dspark_trt.exporter.graphs import call_op
+from dspark_trt.exporter.graphs import accept, call_op
 from dspark_trt.models.dspark_drafter import DsparkDrafter
 
 CONTEXT_FILE = "dspark_context.onnx"
@@ -181,15 +181,10 @@ class DsparkTargetStep(nn.Module):
                             list(past[0::2]), list(past[1::2]))
         hidden, keys, values, aux = self.decoder.forward_packed(batch, aux_layers=self.aux_layers)
         logits = self.decoder.lm_head(hidden[verify_index]).float()
-        r = verify_lens.shape[0]
-        g_acc, g_next = call_op("GreedyAccept", [logits, draft_tokens, verify_lens], {},
-                                [torch.int64, torch.int64], [[r], [r]])
-        s_acc, s_next = call_op("SampleAccept", [logits, draft_probs, draft_tokens, verify_lens, temperature,
-                                                 accept_uniforms, sample_uniforms], {},
-                                [torch.int64, torch.int64], [[r], [r]])
-        greedy = temperature <= 0
+        accepted, next_token = accept(logits, draft_tokens, verify_lens, draft_probs, temperature,
+                                      accept_uniforms, sample_uniforms)
         present = [t for kv in zip(keys, values) for t in kv]
-        return (torch.where(greedy, g_acc, s_acc), torch.where(greedy, g_next, s_next), *present, aux)
+        return (accepted, next_token, *present, aux)
 
 
 def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int) -> Path:

@@ -99,6 +99,19 @@ class DraftStep(_PackedGraph):
         return (token, probs, surv[:, 0], conf, *present)
 
 
+def accept(logits, draft_tokens, verify_lens, draft_probs, temperature, accept_uniforms, sample_uniforms):
+    """The acceptance ops over the scored rows: (accepted, next_token) per request, greedy rows by
+    GreedyAccept, sampled rows by SampleAccept (both computed; the graph picks per row)."""
+    r = verify_lens.shape[0]
+    g_acc, g_next = call_op("GreedyAccept", [logits, draft_tokens, verify_lens], {},
+                            [torch.int64, torch.int64], [[r], [r]])
+    s_acc, s_next = call_op("SampleAccept", [logits, draft_probs, draft_tokens, verify_lens, temperature,
+                                             accept_uniforms, sample_uniforms], {},
+                            [torch.int64, torch.int64], [[r], [r]])
+    greedy = temperature <= 0
+    return torch.where(greedy, g_acc, s_acc), torch.where(greedy, g_next, s_next)
+
+
 class TargetStep(_PackedGraph):
     """Prefill and verification of a packed batch, ending in the acceptance ops (no full logits out)."""
 
@@ -112,14 +125,7 @@ class TargetStep(_PackedGraph):
         hidden, present = self.run_decoder(tokens, positions, pack_index, unpack_index, query_lens, past_lens,
                                            slot_ids, past)
         logits = self.logits(hidden[verify_index])  # only the rows that are scored: [M, V]
-        r = verify_lens.shape[0]
-        g_acc, g_next = call_op("GreedyAccept", [logits, draft_tokens, verify_lens], {},
-                                [torch.int64, torch.int64], [[r], [r]])
-        s_acc, s_next = call_op("SampleAccept", [logits, draft_probs, draft_tokens, verify_lens, temperature,
-                                                 accept_uniforms, sample_uniforms], {},
-                                [torch.int64, torch.int64], [[r], [r]])
-        greedy = temperature <= 0
-        accepted = torch.where(greedy, g_acc, s_acc)
-        next_token = torch.where(greedy, g_next, s_next)
+        accepted, next_token = accept(logits, draft_tokens, verify_lens, draft_probs, temperature,
+                                      accept_uniforms, sample_uniforms)
         extra = (logits,) if self.debug_logits else ()
         return (accepted, next_token, *present, *extra)
