@@ -132,12 +132,17 @@ def config_from_dict(raw: dict, source: str = "config.json") -> ModelConfig:
     )
 
 
-def load_config(model_dir: str | Path) -> ModelConfig:
+def read_config_json(model_dir: str | Path, what: str = "a Hugging Face model directory") -> tuple[dict, Path]:
+    """(the parsed config.json of model_dir, its path), or a one-line DsparkError naming what to point at."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise DsparkError(f"no config.json in {model_dir}: point at a Hugging Face model directory")
+        raise DsparkError(f"no config.json in {model_dir}: point at {what}")
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text()), path
     except json.JSONDecodeError as e:
         raise DsparkError(f"{path} is not valid JSON: {e}") from None
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    raw, path = read_config_json(model_dir)
     return config_from_dict(raw, source=str(path))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.models.config import ModelConfig, config_from_dict
+from dspark_trt.models.config import ModelConfig, config_from_dict, read_config_json
 
 DRAFTER_KIND = "dspark"
 ARCHITECTURES = ("Qwen3DSparkModel",)
@@ -203,13 +203,7 @@ def dspark_config_from_dict(raw: dict, target: ModelConfig, src: str = "config.j
 
 def load_dspark_config(draft_dir: str | Path, target: ModelConfig) -> DsparkConfig:
     d = Path(draft_dir)
-    path = d / "config.json"
-    if not path.is_file():
-        raise DsparkError(f"no config.json in {draft_dir}: point at a DSpark draft directory")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DsparkError(f"{path} is not valid JSON: {e}") from None
+    raw, path = read_config_json(d, "a DSpark draft directory")
     if (d / MASK_EMBEDDING_FILE).is_file():
         raise DsparkError(f"{d / MASK_EMBEDDING_FILE}: a separate mask embedding is not supported")
     return dspark_config_from_dict(raw, target, src=str(path))
