@@ -114,7 +114,13 @@ def test_quick_preset_only_replaces_defaults():
 
 
 @pytest.mark.parametrize("args, what", [(["--concurrency", "1,zero"], "--concurrency"),
-                                        (["--modes", "off,sometimes"], "--modes")])
+                                        (["--modes", "off,sometimes"], "--modes"),
+                                        # open loop, refused before anything runs
+                                        (["--rates", "fast"], "--rates"), (["--workload", "long"], "--workload"),
+                                        (["--rates", "1", "--temperature", "hot"], "--temperature"),
+                                        (["--rates", "1", "--modes", "sometimes"], "--modes"),
+                                        (["--via-http", "--concurrency", "4"], "--concurrency belongs"),
+                                        (["--duration", "5"], "--duration belongs to the open loop")])
 def test_bad_values_are_one_line_errors(args, what, tmp_path, capsys):
     from dspark_trt.cli import main
 

@@ -149,22 +149,6 @@ def test_cli_refuses_a_temperature_mix_in_the_closed_loop(tiny_artifact, tmp_pat
     assert r.exit_code != 0 and "needs the open loop" in str(r.exception)
 
 
-@pytest.mark.parametrize("args, what", [(["--rates", "fast"], "--rates"), (["--workload", "long"], "--workload"),
-                                        (["--rates", "1", "--temperature", "hot"], "--temperature"),
-                                        (["--rates", "1", "--modes", "sometimes"], "--modes"),
-                                        (["--via-http", "--concurrency", "4"], "--concurrency belongs"),
-                                        (["--duration", "5"], "--duration belongs to the open loop")])
-def test_bad_open_loop_values_are_one_line_errors_before_anything_runs(args, what, tmp_path, capsys):
-    from dspark_trt.cli import main
-
-    with pytest.raises(SystemExit) as e:
-        main(["bench", str(tmp_path / "no-artifact"), *args, "--out", str(tmp_path / "out")])
-    assert e.value.code == 1
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(f"error: {what}") and "\n" not in err, err
-    assert not (tmp_path / "out").exists()
-
-
 # ------------------------------------------------------------------------------------------ workload
 
 TEXT = '''import os
