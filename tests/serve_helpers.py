@@ -21,6 +21,18 @@ def rt(tiny_artifact):
     runtime.close()
 
 
+@pytest.fixture
+def slow_steps(rt, monkeypatch):
+    """Each target step takes at least 5 ms, so a 200-token request surely outlives its client (or a stop)."""
+    run = rt.backend.run_target
+
+    def slow(*a, **kw):
+        time.sleep(0.005)
+        return run(*a, **kw)
+
+    monkeypatch.setattr(rt.backend, "run_target", slow)
+
+
 @pytest.fixture(scope="module")
 def server(rt):
     from dspark_trt.serve.server import ServerThread, create_app

@@ -26,7 +26,7 @@ from dspark_trt.errors import DsparkError  # noqa: E402
 from dspark_trt.runtime import GenerationConfig, Runtime  # noqa: E402
 from dspark_trt.serve.server import ServerThread, create_app, serve  # noqa: E402
 from dspark_trt.serve.text import TextStream  # noqa: E402
-from serve_helpers import MODEL, rt, server  # noqa: E402,F401 (fixtures)
+from serve_helpers import MODEL, rt, server, slow_steps  # noqa: E402,F401 (fixtures)
 
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:\n    def __init__(self):", "x", "return self.x + 1\n"]
 
@@ -249,18 +249,6 @@ def test_closed_runtime_answers_503(tiny_artifact):
 # ---------------------------------------------------------------------- client goes away
 def _active(rt):
     return [s for s in rt.slots if s is not None]
-
-
-@pytest.fixture
-def slow_steps(rt, monkeypatch):
-    """Each target step takes at least 5 ms, so a 200-token request surely outlives its client."""
-    run = rt.backend.run_target
-
-    def slow(*a, **kw):
-        time.sleep(0.005)
-        return run(*a, **kw)
-
-    monkeypatch.setattr(rt.backend, "run_target", slow)
 
 
 def test_disconnect_mid_stream_cancels_and_frees_the_slot(rt, server, slow_steps):

@@ -16,7 +16,7 @@ import time
 
 import pytest
 from conftest import stop_process
-from serve_helpers import HealthProbe, openai_error
+from serve_helpers import HealthProbe, openai_error, rt, slow_steps  # noqa: F401 (fixtures)
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -30,25 +30,6 @@ from dspark_trt.serve.server import ServerThread, create_app  # noqa: E402
 MODEL = "tiny"
 # Peak memory the overload requests may add to the server process (a 10**8 max_tokens once added 3.5 GB).
 OVERLOAD_MEMORY_BYTES = 256 * 1024 * 1024
-
-
-@pytest.fixture(scope="module")
-def rt(tiny_artifact):
-    runtime = Runtime.load(tiny_artifact, backend="ort")
-    yield runtime
-    runtime.close()
-
-
-@pytest.fixture
-def slow_steps(rt, monkeypatch):
-    """Each target step takes at least 5 ms, so a 200-token request surely outlives the stop."""
-    run = rt.backend.run_target
-
-    def slow(*a, **kw):
-        time.sleep(0.005)
-        return run(*a, **kw)
-
-    monkeypatch.setattr(rt.backend, "run_target", slow)
 
 
 def data_events(lines):
