@@ -23,7 +23,6 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from dspark_trt.runtime import Runtime  # noqa: E402
 from dspark_trt.serve.limits import ServeLimits  # noqa: E402
 from dspark_trt.serve.server import ServerThread, create_app  # noqa: E402
 
