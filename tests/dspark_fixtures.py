@@ -120,3 +120,18 @@ def make_draft(root: Path, *, seed: int = 0, name: str = "dspark", own_embed: bo
     cfg = draft_config(**cfg_kw)
     return write_draft(root, cfg, draft_tensors(cfg, seed=seed, own_embed=own_embed, own_lm_head=own_lm_head,
                                                  head_tensors=head_tensors), name=name)
+
+
+def make_artifact(root: Path, *, arch: str = "llama", seed: int = 0, max_batch: int = 4, max_context: int = 96,
+                  **draft_kw) -> Path:
+    """A runnable artifact: a random target (with a small BPE tokenizer) and a random DSpark drafter for it,
+    exported by `dspark-trt export`'s library call (it dispatches on the draft's format)."""
+    from conftest import make_tokenizer
+    from dspark_trt.exporter.export import export_artifacts
+
+    root.mkdir(parents=True, exist_ok=True)
+    target_dir = make_target(root, arch=arch, seed=seed)
+    make_tokenizer(target_dir / "tokenizer.json", vocab=TARGET["vocab"])
+    draft_dir = make_draft(root, seed=seed + 1, **draft_kw)
+    return export_artifacts(target_dir, draft_dir, root / "art", max_batch=max_batch, max_context=max_context,
+                            progress=False)

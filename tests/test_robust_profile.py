@@ -103,7 +103,7 @@ def test_measure_records_the_machines_load_and_the_spread(monkeypatch):
     layouts = [([1], 4), ([2, 1], 4), ([4], 4), ([1, 1], 32), ([3, 3], 32)]
     monkeypatch.setattr(profiling, "shape_layouts", lambda rt: layouts)
     monkeypatch.setattr(profiling, "_verify_feeds", lambda rt, t: {"positions": t})
-    monkeypatch.setattr(profiling, "_draft_feeds", lambda rt, b: {"positions": b})
+    monkeypatch.setattr(profiling, "_draft_call", lambda rt, b: lambda: None)
     monkeypatch.setattr(profiling, "_packed_verify_feeds", lambda rt, q, past: {"positions": q})
     monkeypatch.setattr(profiling, "token_slots", lambda feeds: None)
     clock = (i * 1e-3 for i in itertools.count())  # every call takes 1 ms, exactly

@@ -1,20 +1,20 @@
-"""A complete artifact for a target + DSpark drafter: three graphs, the tokenizer and a manifest.
+"""A complete artifact for a target + DSpark drafter: four graphs, the tokenizer and a manifest.
 
-* ``target.onnx``: the target step with the extra ``aux_hidden`` output (exporter/dspark_export.py);
+* ``target_aux.onnx``: the target step with the extra ``aux_hidden`` output (exporter/dspark_export.py);
 * ``dspark_draft.onnx`` (manifest graph ``draft``), ``dspark_draft_sample.onnx`` (graph ``draft_sample``,
   MarkovSample for batches with sampled requests) and ``dspark_context.onnx`` (graph ``dspark_context``);
 * ``manifest.json`` with ``draft.kind = "dspark"`` and ``draft.dspark`` (DsparkConfig.summary()).
   ``draft.max_draft`` is the drafter's block size N (all N drafts come from one pass; the budget solver
   verifies a prefix of them). Old readers see the usual sections; ``graphs.dspark_context`` is extra.
 
-`dspark-trt export` does not call this yet (exporter/export.py is being reworked in parallel): the hook
-is ``if is_dspark_dir(draft_dir): return export_dspark_artifact(...)`` at the top of export_artifacts.
+`dspark-trt export` calls this when ``--draft`` is a DSpark checkpoint (exporter/export.py), after the
+shared argument checks; like the classic export it writes into a staging directory and moves it into
+place, so a failed export never leaves a half-written artifact.
 """
 
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
@@ -23,7 +23,9 @@ CONTEXT_GRAPH = "dspark_context"
 
 
 def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
-                           overwrite: bool = False) -> Path:
+                           overwrite: bool = False, progress: bool = False) -> Path:
+    from tqdm import tqdm
+
     from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
                                                    export_target_with_aux)
     from dspark_trt.exporter.export import _io, plan_dims
@@ -31,8 +33,10 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     from dspark_trt.manifest import Manifest
     from dspark_trt.models.checkpoint import load_decoder
     from dspark_trt.models.dspark_drafter import load_dspark_drafter
+    from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 
     target_dir, draft_dir, out_dir = Path(target_dir), Path(draft_dir), Path(out_dir)
+    check_out_dir(out_dir, "--out")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DsparkError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
     tok_src = target_dir / "tokenizer.json"
@@ -40,6 +44,8 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
         raise DsparkError(f"no tokenizer.json in {target_dir}: the artifact needs the target's tokenizer")
     if max_batch < 2:
         raise DsparkError("--max-batch must be >= 2 for a DSpark artifact")
+    bar = tqdm(total=5, desc="export", disable=not progress, unit="stage")
+    bar.set_postfix_str("loading models")
     target = load_decoder(target_dir)
     if max_context > target.config.max_position_embeddings:
         raise DsparkError(f"--max-context {max_context} exceeds the target's max_position_embeddings "
@@ -47,20 +53,30 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     drafter = load_dspark_drafter(draft_dir, target_dir)
     cfg = drafter.cfg
     n = cfg.num_draft
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent))
+    bar.update()
+    staging = Staging(out_dir.parent, ".export-")
+    tmp = staging.path
     try:
+        bar.set_postfix_str(TARGET_FILE)
         export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch)
+        del target
+        bar.update()
+        bar.set_postfix_str("DSpark drafter graphs")
         export_dspark(drafter, tmp, num_slots=max_batch, sample=True)
+        bar.update()
+        bar.set_postfix_str("manifest")
         tokenizer = tokenizer_facts(target_dir)
         for name in tokenizer["files"]:
             shutil.copyfile(target_dir / name, tmp / name)
         dims, limits = plan_dims(max_batch, n, max_context)
-        tc, lc = target.config, cfg.layers
+        from dspark_trt.models.config import load_config
+
+        tc, lc = load_config(target_dir), cfg.layers
         manifest = Manifest.create(
             model={"arch": tc.model_type, "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
                    "num_layers": tc.num_hidden_layers, "num_kv_heads": tc.num_key_value_heads,
-                   "head_dim": tc.head_dim, "dtype": "fp32", "max_context": max_context},
+                   "head_dim": tc.head_dim, "dtype": "fp32", "max_context": max_context,
+                   "num_attention_heads": tc.num_attention_heads, "intermediate_size": tc.intermediate_size},
             draft={"arch": lc.model_type, "hidden_size": lc.hidden_size, "num_layers": lc.num_hidden_layers,
                    "num_kv_heads": lc.num_key_value_heads, "head_dim": lc.head_dim, "max_draft": n,
                    "confidence": "head" if drafter.confidence_head is not None else "fallback",
@@ -74,10 +90,10 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
         for name in (DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, CONTEXT_FILE, *tokenizer["files"]):
             manifest.record_file(tmp, name)
         manifest.save(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        bar.update()
+        replace_dir(tmp, out_dir)
+        bar.update()
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        bar.close()
+        staging.close()
     return out_dir

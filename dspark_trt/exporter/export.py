@@ -87,9 +87,8 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     from dspark_trt.models.dspark_config import is_dspark_dir
 
     if is_dspark_dir(draft_dir):
-        raise DsparkError(f"--draft {draft_dir} is a DSpark drafter (vLLM's format): its graphs export "
-                          "(dspark_trt.exporter.dspark_artifact) but generate/serve/bench cannot run it yet; "
-                          "see docs/dspark-drafters.md")
+        return _export_dspark(target_dir, draft_dir, out_dir, head_dir, max_batch, max_context, dtype, overwrite,
+                              progress)
     if head_dir is None and has_head(draft_dir):  # dspark_head/ subfolder, or a legacy top-level head
         head_dir = draft_dir
     if head_dir is not None and not Path(head_dir).is_dir():
@@ -152,3 +151,18 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         staging.close()
     del torch
     return out_dir
+
+
+def _export_dspark(target_dir, draft_dir, out_dir, head_dir, max_batch, max_context, dtype, overwrite,
+                   progress) -> Path:
+    """A DSpark drafter (vLLM's format): its block size is the draft length and its confidence head is in
+    its checkpoint, so --max-draft and --head do not apply (exporter/dspark_artifact.py)."""
+    from dspark_trt.exporter.dspark_artifact import export_dspark_artifact
+
+    if head_dir is not None:
+        raise DsparkError(f"--head does not apply to the DSpark drafter {draft_dir}: its confidence head is "
+                          "part of its checkpoint")
+    if dtype != "fp32":
+        raise DsparkError(f"--dtype {dtype}: a DSpark drafter exports in fp32 only for now; pass --dtype fp32")
+    return export_dspark_artifact(target_dir, draft_dir, out_dir, max_batch=max_batch, max_context=max_context,
+                                  overwrite=overwrite, progress=progress)

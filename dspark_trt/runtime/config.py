@@ -29,14 +29,15 @@ def spec_syntax(spec: str) -> SpecMode:
     raise DsparkError(f"spec {spec!r} is not one of off, fixed:K, adaptive")
 
 
-def parse_spec(spec: str | SpecMode, max_draft: int | None = None) -> SpecMode:
+def parse_spec(spec: str | SpecMode, max_draft: int | None = None, limit: str | None = None) -> SpecMode:
+    """limit: what bounds K, for the refusal (default: the artifact's max draft length)."""
     mode = spec if isinstance(spec, SpecMode) else spec_syntax(spec)
     if mode.kind == "fixed":
         if mode.k == 0:
             return SpecMode("off")
         if max_draft is not None and mode.k > max_draft:
-            raise DsparkError(f"spec fixed:{mode.k} exceeds the artifact's max draft length {max_draft}; "
-                              f"re-export with --max-draft {mode.k}")
+            limit = limit or f"the artifact's max draft length {max_draft}; re-export with --max-draft {mode.k}"
+            raise DsparkError(f"spec fixed:{mode.k} exceeds {limit}")
     return mode
 
 
@@ -49,11 +50,11 @@ class GenerationConfig:
     stop: list[str] = field(default_factory=list)
     stop_at_eos: bool = True
 
-    def validate(self, max_draft: int | None = None) -> SpecMode:
+    def validate(self, max_draft: int | None = None, limit: str | None = None) -> SpecMode:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise DsparkError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise DsparkError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.seed is not None and (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool) or self.seed < 0):
             raise DsparkError(f"seed must be an integer >= 0, got {self.seed!r}")
-        return parse_spec(self.spec, max_draft)
+        return parse_spec(self.spec, max_draft, limit)

@@ -11,8 +11,8 @@ The two exported graphs (exporter/dspark_export.py) are run here with numpy only
   context length, and the graph returns N greedy draft tokens (target ids), confidence logits and the
   calibrated survivals, [R, N] each.
 
-This module is the drafter side only; wiring it into runtime/runtime.py's step loop (budget solver,
-verification ops, sampling) is the next step of issue 25 (see docs/dspark-drafters.md).
+The runtime's drafter phase for this drafter (runtime/phases/dspark_drafter.py) drives it: one
+`observe_many` per step for the tokens verification made context, one `draft` for all drafting rows.
 """
 
 from __future__ import annotations
@@ -84,6 +84,29 @@ class DsparkDrafting:
                 self.keys[i][start:start + t, slot] = kv[2 * i]
                 self.values[i][start:start + t, slot] = kv[2 * i + 1]
         self.context_len[slot] = start + t
+
+    def observe_many(self, items) -> None:
+        """observe() for several slots in one context-graph call: items are (slot, aux [T, F], start)."""
+        items = [(s, a, st) for s, a, st in items if a.shape[0]]
+        if not items:
+            return
+        for slot, aux, start in items:
+            if start > self.context_len[slot]:
+                raise DsparkError(f"slot {slot}: context rows {self.context_len[slot]}..{start - 1} were never observed")
+            if start + aux.shape[0] > self.max_context:
+                raise DsparkError(f"slot {slot}: context of {start + aux.shape[0]} tokens exceeds max_context "
+                                  f"{self.max_context}")
+        aux = np.concatenate([a for _, a, _ in items]).astype(np.float32, copy=False)
+        positions = np.concatenate([np.arange(st, st + a.shape[0], dtype=np.int64) for _, a, st in items])
+        kv = self.context.run(None, {"aux_hidden": np.ascontiguousarray(aux), "positions": positions})
+        row = 0
+        for slot, a, start in items:
+            t = a.shape[0]
+            for i in range(self.num_layers):
+                self.keys[i][start:start + t, slot] = kv[2 * i][row:row + t]
+                self.values[i][start:start + t, slot] = kv[2 * i + 1][row:row + t]
+            self.context_len[slot] = start + t
+            row += t
 
     def rollback(self, slot: int, length: int) -> None:
         """Forget the context past `length` (a request restarted or truncated)."""

@@ -87,7 +87,10 @@ class Runtime:
         # A backend may keep the caches itself (e.g. on the GPU for TensorRT); the default is host numpy.
         make_cache = getattr(backend, "make_kv_cache", None) or KVCache
         self.target_kv = make_cache(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
-        self.draft_kv = make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"], kv_dtype)
+        self.drafter_kind = d.get("kind", "classic")
+        # A DSpark drafter keeps its own context cache (runtime/dspark_drafting.py).
+        self.draft_kv = (None if self.drafter_kind == "dspark" else
+                         make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"], kv_dtype))
         self.metrics = Metrics(self.max_draft)
         self.costs = Costs(self.max_tokens_per_step, self.max_draft, t.overhead_alpha)
         self.costs.table = cost_table
@@ -101,9 +104,8 @@ class Runtime:
         guard = SpecGuard(t.guard) if t.guard.enabled else None
         self.admission = Admission(self.slots_total, self.max_batch, max_queue, t, self.costs, self.query_len_max,
                                    self.metrics)
-        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, guard)
-        self.drafter = Drafter(backend, self.draft_kv, t, (self.max_draft, self.max_context, self.max_tokens_per_step),
-                               self.controller, self.survival_correction, self.costs, self.metrics)
+        self.drafter = self._make_drafter()
+        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, guard, sequential=self.drafter.sequential)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
                                  self.costs, self.metrics)
@@ -115,6 +117,22 @@ class Runtime:
         self._closed = False
         self._in_step = False
 
+    def _make_drafter(self):
+        """The drafter phase of the artifact's drafter kind (both implement draft / observe / prepare_call)."""
+        limits = (self.max_draft, self.max_context, self.max_tokens_per_step)
+        if self.drafter_kind == "dspark":
+            from dspark_trt.runtime.dspark_drafting import DsparkDrafting
+            from dspark_trt.runtime.phases.dspark_drafter import DsparkDrafter
+
+            g = self.manifest["graphs"]
+            sample = g.get("draft_sample")
+            drafting = DsparkDrafting(self.artifact_dir / g["dspark_context"]["file"], self.artifact_dir / g["draft"]["file"],
+                                      num_slots=self.slots_total, max_context=self.max_context,
+                                      sample_path=self.artifact_dir / sample["file"] if sample else None)
+            return DsparkDrafter(drafting, self.tuning, limits, self.survival_correction, self.costs, self.metrics)
+        return Drafter(self.backend, self.draft_kv, self.tuning, limits, self.controller, self.survival_correction,
+                       self.costs, self.metrics)
+
     @property
     def cost(self):
         """The profiled cost tables (costs/table.py CostTable), or None: adaptive then prices by tokens."""
@@ -123,6 +141,13 @@ class Runtime:
     @cost.setter
     def cost(self, table) -> None:
         self.costs.table = table
+
+    @property
+    def draft_limit(self) -> str | None:
+        """What bounds fixed:K, for the refusal of a larger K (None: the artifact's max draft length)."""
+        if self.drafter_kind == "dspark":
+            return f"the DSpark drafter's block size {self.max_draft} (it drafts that many tokens per pass)"
+        return None
 
     @property
     def spec_guard(self) -> SpecGuard | None:
@@ -153,10 +178,12 @@ class Runtime:
         from dspark_trt.runtime.tokenizer import load_tokenizer
 
         manifest = load_manifest(artifact_dir)
-        if manifest.drafter_kind != "classic":
-            raise DsparkError(f"{artifact_dir} holds a {manifest.drafter_kind!r} drafter, which the runtime "
-                              "cannot run yet (runtime/dspark_drafting.py drives it directly; see "
-                              "docs/dspark-drafters.md)")
+        if manifest.drafter_kind not in ("classic", "dspark"):
+            raise DsparkError(f"{artifact_dir} holds a {manifest.drafter_kind!r} drafter, which this version "
+                              "cannot run: upgrade dspark-trt or re-export the artifact")
+        if manifest.drafter_kind == "dspark" and backend != "ort":
+            raise DsparkError(f"{artifact_dir} holds a DSpark drafter, which runs on --backend ort only "
+                              f"(not {backend}) for now")
         # the backend first: it says what to install or build, if anything
         be = make_backend(backend, artifact_dir, manifest, **(backend_options or {}))
         verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it
@@ -208,7 +235,7 @@ class Runtime:
     def submit(self, prompt, config: GenerationConfig | None = None, stream: bool = False) -> Request:
         """Queue a request (thread-safe). Errors that concern only this request finish it with an error."""
         config = config or GenerationConfig()
-        mode = config.validate(self.max_draft)
+        mode = config.validate(self.max_draft, self.draft_limit)
         ids = self.encode(prompt)
         with self._lock:
             if self._closed:
@@ -342,5 +369,6 @@ class Runtime:
         if result is None:
             return True
         self.committer.commit(batch, drafted, result, plan)
+        self.drafter.observe(batch, result)  # after commit: what verification made context
         self.learner.learn(batch, depth, drafted, plan, result)  # after commit: it times the whole step
         return True

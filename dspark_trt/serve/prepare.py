@@ -130,7 +130,7 @@ def _common(body, rt, name: str) -> None:
     from dspark_trt.runtime.config import parse_spec
 
     try:
-        parse_spec(body.spec, rt.max_draft)
+        parse_spec(body.spec, rt.max_draft, getattr(rt, "draft_limit", None))
     except DsparkError as e:
         raise OpenAIError(400, str(e), param="spec") from None
 

@@ -41,7 +41,9 @@ class OrtBackend:
         opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
         self.sessions = {}
         self.outputs = {}
-        for graph in ("draft", "target"):
+        # A DSpark drafter's graphs run in its own drafter phase (runtime/dspark_drafting.py).
+        graphs = ("target",) if manifest["draft"].get("kind") == "dspark" else ("draft", "target")
+        for graph in graphs:
             path = Path(artifact_dir) / manifest["graphs"][graph]["file"]
             if not path.is_file():
                 raise DsparkError(f"{path} is missing: re-export the artifact with `dspark-trt export`")

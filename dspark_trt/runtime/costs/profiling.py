@@ -67,12 +67,9 @@ def shape_layouts(rt) -> list[tuple[list[int], int]]:
     return [(list(q), p) for q, p in dict.fromkeys((tuple(q), p) for q, p in out)]
 
 
-def _draft_feeds(rt, batch: int) -> dict:
-    past = min(rt.tuning.profile.past, rt.max_context - 2)
-    feeds = pack_queries([[1]] * batch, [past] * batch, list(range(batch)))
-    feeds.update(temperature=np.zeros(batch, np.float32), uniforms=np.full(batch, 0.5, np.float32),
-                 prev_survival=np.ones(batch, np.float32), draft_position=np.zeros(batch, np.int64))
-    return feeds
+def _draft_call(rt, batch: int):
+    """One drafting call of `batch` rows, made by the runtime's drafter phase (either drafter kind)."""
+    return rt.drafter.prepare_call(batch, min(rt.tuning.profile.past, rt.max_context - 2))
 
 
 def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: int | None = None,
@@ -91,8 +88,11 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
         # runtime's drift correction observes the same span, with packing the feeds).
         def once(feeds, past) -> float:
             s = time.perf_counter()
-            _, present = run(feeds, past)
-            cache.write(present, feeds["positions"], token_slots(feeds))
+            if run is None:  # a prepared call (the drafter phase's own)
+                feeds()
+            else:
+                _, present = run(feeds, past)
+                cache.write(present, feeds["positions"], token_slots(feeds))
             return (time.perf_counter() - s) * 1e3
 
         def ms(size: int) -> float:
@@ -101,7 +101,7 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
             # How many times follows the fastest timing so far, not the first: on a loaded machine the
             # first timing of a 0.3 ms call can be 10x slower (a preempted thread), and judging by it left
             # that point with one or two timings and a median 10x too high.
-            feeds, past = make_feeds(rt, size), cache.past(past_of(size))
+            feeds, past = make_feeds(rt, size), (cache.past(past_of(size)) if cache is not None else None)
             times = [once(feeds, past)]
             while len(times) < min(p.max_inner, math.ceil(p.cheap_ms / max(min(times), 1e-3))):
                 times.append(once(feeds, past))
@@ -109,7 +109,7 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
         return ms
 
     time_verify = timer(rt.backend.run_target, _verify_feeds, rt.target_kv)
-    time_draft = timer(rt.backend.run_draft, _draft_feeds, rt.draft_kv)
+    time_draft = timer(None, _draft_call, None)
     # Robust points: round-robin over all sizes, a point is replayed until its kept timings (the slow
     # tail dropped) agree to within profile.max_spread or it has profile.max_repeats timings; the machine's
     # load around the measurement goes into the meta with the resulting spread.
@@ -280,14 +280,18 @@ def persist_refined(rt) -> Path | None:
 
 
 def _probe(run, make_feeds, cache, rt, sizes: list[int]) -> list[float]:
-    """One warm-up and one timed call per size (engine call plus the KV write, as `measure` times)."""
+    """One warm-up and one timed call per size (engine call plus the KV write, as `measure` times);
+    run None: make_feeds gives a prepared call."""
     out = []
     for size in sizes:
-        feeds, past = make_feeds(rt, size), cache.past(rt.tuning.profile.past)
+        feeds, past = make_feeds(rt, size), (cache.past(rt.tuning.profile.past) if cache is not None else None)
         for timed in (False, True):
             s = time.perf_counter()
-            _, present = run(feeds, past)
-            cache.write(present, feeds["positions"], token_slots(feeds))
+            if run is None:
+                feeds()
+            else:
+                _, present = run(feeds, past)
+                cache.write(present, feeds["positions"], token_slots(feeds))
             if timed:
                 out.append((time.perf_counter() - s) * 1e3)
     return out
@@ -298,4 +302,4 @@ def _probe_verify(rt, sizes):
 
 
 def _probe_draft(rt, sizes):
-    return _probe(rt.backend.run_draft, _draft_feeds, rt.draft_kv, rt, sizes)
+    return _probe(None, _draft_call, None, rt, sizes)

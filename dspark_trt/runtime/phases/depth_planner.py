@@ -38,8 +38,10 @@ class _CachedPlan(NamedTuple):
 class DepthPlanner:
     """Call order: ``plan(batch, cost)`` once per step (``plan_for`` with explicit counts)."""
 
-    def __init__(self, max_draft: int, tuning, controller, guard: SpecGuard | None):
+    def __init__(self, max_draft: int, tuning, controller, guard: SpecGuard | None, sequential: bool = True):
+        """sequential: a depth of j costs j draft calls (classic drafter); else one call at any depth (DSpark)."""
         self.max_draft, self.tuning, self.controller, self.guard = max_draft, tuning, controller, guard
+        self.sequential = sequential
         self.spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
         self._cache: dict[tuple[int, int], _CachedPlan] = {}
         self._since_probe = 0
@@ -90,5 +92,8 @@ class DepthPlanner:
         """(best draft depth by the model, its best drafting rate over its plain rate)."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
-        return best_draft_depth(prof, n_adaptive, verify, float(cost.table.draft_ms(n_adaptive)),
-                                cost.overhead("plain"), cost.overhead("spec"), others=n_decode - n_adaptive)
+        draft_ms, spec_ms = float(cost.table.draft_ms(n_adaptive)), cost.overhead("spec")
+        if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
+            draft_ms, spec_ms = 0.0, spec_ms + draft_ms
+        return best_draft_depth(prof, n_adaptive, verify, draft_ms, cost.overhead("plain"), spec_ms,
+                                others=n_decode - n_adaptive)

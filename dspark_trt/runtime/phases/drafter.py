@@ -17,7 +17,7 @@ from dspark_trt.runtime.batch import pack_queries, token_slots
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
-__all__ = ["Draft", "DraftRound", "Drafter"]
+__all__ = ["Draft", "DraftRound", "Drafter", "probe_turn"]
 
 
 class Draft(NamedTuple):
@@ -38,8 +38,26 @@ class DraftRound(NamedTuple):
     switch_ms: float  # time feeding the draft text generated while it did not draft (a switch's cost)
 
 
+def probe_turn(spec: list[Request], n: int, turn: int) -> tuple[list[Request], int]:
+    """On a probe step only a few adaptive requests draft (taking turns): a draft call's cost grows
+    with its batch, and a few rows are enough to keep the survival profile current. Returns the
+    requests that draft and the next turn."""
+    adaptive = sorted((r for r in spec if r.mode.kind == "adaptive"), key=lambda r: r.id)
+    if len(adaptive) <= n:
+        return spec, turn
+    start = (turn * n) % len(adaptive)
+    chosen = {r.id for r in (adaptive + adaptive)[start:start + n]}
+    return [r for r in spec if r.mode.kind != "adaptive" or r.id in chosen], turn + 1
+
+
 class Drafter:
-    """Call order: ``draft(batch, depth, cost)`` once per step."""
+    """The classic autoregressive draft: one engine call per drafted position.
+
+    Call order: ``draft(batch, depth, cost)`` once per step, ``observe(batch, result)`` after commit.
+    runtime/phases/dspark_drafter.py is the other implementation of this interface.
+    """
+
+    sequential = True  # a draft depth of j costs j draft calls (the depth planner prices it so)
 
     def __init__(self, backend, kv, tuning, limits, controller, correction: SurvivalCorrection | None, costs, metrics):
         self.backend, self.kv, self.tuning = backend, kv, tuning
@@ -65,16 +83,24 @@ class Drafter:
         return self.run(spec, depth.steps)
 
     def probe_subset(self, spec: list[Request]) -> list[Request]:
-        """On a probe step only a few adaptive requests draft (taking turns): a draft call's cost grows
-        with its batch, and a few rows are enough to keep the survival profile current."""
-        n = self.tuning.probe_requests
-        adaptive = sorted((r for r in spec if r.mode.kind == "adaptive"), key=lambda r: r.id)
-        if len(adaptive) <= n:
-            return spec
-        start = (self._probes * n) % len(adaptive)
-        self._probes += 1
-        chosen = {r.id for r in (adaptive + adaptive)[start:start + n]}
-        return [r for r in spec if r.mode.kind != "adaptive" or r.id in chosen]
+        out, self._probes = probe_turn(spec, self.tuning.probe_requests, self._probes)
+        return out
+
+    def observe(self, batch, result) -> None:
+        """After commit: nothing to do, the classic draft catches up on committed tokens when it drafts."""
+
+    def prepare_call(self, batch: int, past: int):
+        """A zero-argument function making one drafting call of `batch` rows at `past` cached tokens
+        (engine call plus the KV write), as the cost profile times it (costs/profiling.py)."""
+        feeds = pack_queries([[1]] * batch, [past] * batch, list(range(batch)))
+        feeds.update(temperature=np.zeros(batch, np.float32), uniforms=np.full(batch, 0.5, np.float32),
+                     prev_survival=np.ones(batch, np.float32), draft_position=np.zeros(batch, np.int64))
+        cache = self.kv.past(past)
+
+        def call() -> None:
+            _, present = self.backend.run_draft(feeds, cache)
+            self.kv.write(present, feeds["positions"], token_slots(feeds))
+        return call
 
     def run(self, reqs: list[Request], depth: int) -> DraftRound:
         """Catch the draft up, then draft for `reqs` (up to `depth` tokens for adaptive ones)."""

@@ -36,6 +36,7 @@ class VerifyResult(NamedTuple):
     verified: int  # rows the acceptance ops scored
     priced_ms: float  # full time of the target calls (feeds, engine, KV write)
     prefill_model_ms: float = 0.0  # the cost model's ms for the prompt chunks (their own call or their share)
+    aux: list | None = None  # per row, the target's aux_hidden of its fed tokens (graphs that have it: DSpark)
 
 
 class Verifier:
@@ -78,11 +79,15 @@ class Verifier:
         accepted = np.zeros(len(order), dtype=np.int64)
         next_tok = np.zeros(len(order), dtype=np.int64)
         target_ms, target_tokens, verified, priced = 0.0, 0, 0, 0.0
+        aux = None
         for g in groups:
             outs, ms, tokens, m, full = self._call([order[i] for i in g], [queries[i] for i in g],
                                                    [past_lens[i] for i in g], [vlens[i] for i in g], drafts)
             accepted[g.start:g.stop] = outs["accepted"]
             next_tok[g.start:g.stop] = outs["next_token"]
+            if "aux_hidden" in outs:
+                aux = aux or [None] * len(order)
+                aux[g.start:g.stop] = np.split(outs["aux_hidden"], np.cumsum(query_lens[g.start:g.stop])[:-1])
             target_ms += ms
             target_tokens += tokens
             verified += m
@@ -92,7 +97,8 @@ class Verifier:
             prefill_model = (self.costs.shape.ms(*packed_shape(query_lens[nd:], past_lens[nd:])) if len(groups) > 1
                              else self.costs.prefill_share(query_lens, past_lens, nd))
         return VerifyResult(order, chunked, np.asarray(vlens, dtype=np.int64), accepted, next_tok, query_lens,
-                            past_lens, len(groups), ms, target_ms, target_tokens, verified, priced, prefill_model)
+                            past_lens, len(groups), ms, target_ms, target_tokens, verified, priced, prefill_model,
+                            aux)
 
     def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
               drafts: dict):

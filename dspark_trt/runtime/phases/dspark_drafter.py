@@ -1,0 +1,120 @@
+"""Drafting with a DSpark drafter (runtime/dspark_drafting.py): the second implementation of the drafter
+phase, beside the classic one in phases/drafter.py.
+
+A DSpark drafter drafts all of its N = block size positions in one parallel block pass conditioned on
+the target's hidden states, so a step makes one draft call for every drafting row (greedy rows on the
+greedy graph; rows with temperature > 0 on the sampling graph, which returns q in the target vocabulary
+for SampleAccept), whatever depth they verify. Its context cache is fed after commit (`observe`): the
+target's `aux_hidden` rows of the tokens that verification made context, i.e. prompt chunks and, per
+decode row, the anchor plus the accepted drafts; rejected drafts never enter it. Every request that may
+draft is observed every step (it never has to catch up), and a request leaving its slot releases it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from dspark_trt.runtime.phases.drafter import Draft, DraftRound, probe_turn
+from dspark_trt.runtime.request import Request
+
+__all__ = ["DsparkDrafter"]
+
+
+class DsparkDrafter:
+    """Call order: ``draft(batch, depth, cost)`` once per step, ``observe(batch, result)`` after commit."""
+
+    sequential = False  # any draft depth is one block pass (the depth planner prices it so)
+
+    def __init__(self, drafting, tuning, limits, correction, costs, metrics):
+        self.drafting, self.tuning = drafting, tuning
+        self.max_draft, self.max_context, _ = limits
+        self.correction, self.costs, self.metrics = correction, costs, metrics
+        self._probes = 0
+
+    def cap(self, r: Request, depth: int) -> int:
+        """Most drafts request r gets this step: fixed:K -> K; adaptive -> the whole block when the depth
+        planner drafts at all (the block costs the same at any depth; the budget solver picks the prefix)."""
+        k = r.mode.k if r.mode.kind == "fixed" else (self.max_draft if depth > 0 else 0)
+        room_new = r.remaining() - 1  # the target always adds one token
+        room_ctx = self.max_context - len(r.tokens) - 1
+        return max(0, min(k, room_new, room_ctx))
+
+    def draft(self, batch, depth, cost) -> DraftRound:
+        spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
+        if batch.n_adaptive and depth.probing:
+            spec, self._probes = probe_turn(spec, self.tuning.probe_requests, self._probes)
+        if not spec:
+            return DraftRound({}, 0.0, 0.0, 0.0)
+        t0 = time.perf_counter()
+        out, engine_ms = {}, 0.0
+        greedy = [r for r in spec if not r.sampling]
+        sampled = [r for r in spec if r.sampling]
+        for group in (greedy, sampled):  # greedy rows never move [rows, N, V] probabilities
+            if not group:
+                continue
+            t = time.perf_counter()
+            d = self._block(group)
+            engine_ms += (time.perf_counter() - t) * 1e3
+            survival = d.survival.astype(np.float64)
+            corrected = self.correction.apply(survival) if self.correction is not None else survival
+            tokens = d.tokens.tolist()
+            for i, r in enumerate(group):
+                n = self.cap(r, depth.steps)
+                probs = list(d.probs[i, :n]) if r.sampling else []
+                out[r.id] = Draft(tokens[i][:n], probs, d.survival[i, :n].astype(np.float32),
+                                  corrected[i, :n].tolist())
+                r.draft_rounds += 1
+                r.stats.drafted_tokens += n
+        full = (time.perf_counter() - t0) * 1e3
+        table = self.costs.table
+        if table is not None and self.metrics.steps % self.tuning.cost_observe_every == 0:
+            table.observe_draft(len(spec), full)
+        return DraftRound(out, engine_ms, full, 0.0)
+
+    def _block(self, reqs: list[Request]):
+        """One block pass; anchors are the requests' last tokens, at position context length = target_len."""
+        slots = [r.slot for r in reqs]
+        anchors = [r.tokens[-1] for r in reqs]
+        if not any(r.sampling for r in reqs):
+            return self.drafting.draft(slots, anchors)
+        temps = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
+        uniforms = np.asarray([[r.draft_draw(k) for k in range(self.max_draft)] for r in reqs], dtype=np.float32)
+        return self.drafting.draft(slots, anchors, temps, uniforms)
+
+    def observe(self, batch, result) -> None:
+        """After commit: the verified tokens' aux rows join their request's draft context."""
+        if result.aux is None:
+            return
+        items = []
+        nd = len(batch.decode)
+        for i, r in enumerate(result.order):
+            if r.mode.kind == "off":
+                continue  # it never drafts: no context to keep
+            if r.finished:
+                self.drafting.release(r.slot)
+                continue
+            if i < nd:
+                kept = 1 + int(min(result.accepted[i], result.verify_lens[i]))  # the anchor and the accepted drafts
+            else:
+                kept = result.query_lens[i]  # a prompt chunk: all of it
+            items.append((r.slot, result.aux[i][:kept], result.past_lens[i]))
+        self.drafting.observe_many(items)
+
+    def prepare_call(self, batch: int, past: int):
+        """A zero-argument function making one block pass of `batch` rows at `past` context tokens, as the
+        cost profile times it (costs/profiling.py); the slots' context lengths are left as they were."""
+        d = self.drafting
+        slots = np.arange(batch, dtype=np.int64)
+        anchors = np.ones(batch, dtype=np.int64)
+        past = max(1, min(past, self.max_context - 1))
+
+        def call() -> None:
+            saved = d.context_len[slots].copy()
+            d.context_len[slots] = past
+            try:
+                d.draft(slots, anchors)
+            finally:
+                d.context_len[slots] = saved
+        return call
