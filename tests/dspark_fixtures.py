@@ -12,14 +12,14 @@ from pathlib import Path
 TARGET = dict(vocab=120, hidden=48, inter=96, layers=4, heads=4, kv_heads=2, head_dim=16)
 
 
-def make_target(root: Path, arch: str = "qwen3", seed: int = 0, tie: bool = False) -> Path:
+def make_target(root: Path, arch: str = "qwen3", seed: int = 0, tie: bool = False, vocab: int = TARGET["vocab"]) -> Path:
     """A random target in HF layout (our Decoder's save path)."""
     from dspark_trt.models.checkpoint import save_decoder
     from dspark_trt.models.config import ModelConfig
     from dspark_trt.models.decoder import Decoder
 
     t = TARGET
-    cfg = ModelConfig(arch, t["vocab"], t["hidden"], t["inter"], t["layers"], t["heads"], t["kv_heads"],
+    cfg = ModelConfig(arch, vocab, t["hidden"], t["inter"], t["layers"], t["heads"], t["kv_heads"],
                       t["head_dim"], tie_word_embeddings=tie, max_position_embeddings=256, qk_norm=arch == "qwen3")
     model = Decoder(cfg).init_weights(std=0.1, seed=seed).eval()
     d = root / "target"
@@ -122,16 +122,60 @@ def make_draft(root: Path, *, seed: int = 0, name: str = "dspark", own_embed: bo
                                                  head_tensors=head_tensors), name=name)
 
 
+def agreeing_lm_heads(target_dir: Path, draft_dir: Path, seed: int = 0) -> None:
+    """Rewrite the target's lm_head (and the draft's own, if any) so random drafts are often accepted.
+
+    Row v becomes a_v * u + small noise: logits are then ~ a_v (u . h), so the argmax is one of two tokens
+    (the largest or the smallest a_v) by the sign of u . h, for the target and for a draft projecting with
+    the same rows. Greedy runs then see accepts and rejects alike; a reduced vocabulary keeps both tokens.
+    The Markov correction is scaled down so it does not drown the shared preference."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tpath, dpath = target_dir / "model.safetensors", draft_dir / "model.safetensors"
+    t, d = load_file(str(tpath)), load_file(str(dpath))
+    w = t["lm_head.weight"]
+    v, h = w.shape
+    keep = torch.arange(v)
+    if "d2t" in d:
+        keep = torch.arange(d["d2t"].shape[0]) + d["d2t"]
+    a = torch.rand(v, generator=g)
+    a[keep[0]], a[keep[-1]] = 2.0, -1.0
+    u = torch.randn(h, generator=g)
+    t["lm_head.weight"] = (a[:, None] * u[None, :] + 0.01 * torch.randn(v, h, generator=g)).contiguous()
+    if "lm_head.weight" in d:
+        d["lm_head.weight"] = t["lm_head.weight"][keep].contiguous()
+    d["markov_head.markov_w2.weight"] = d["markov_head.markov_w2.weight"] * 0.05
+    save_file(t, str(tpath), metadata={"format": "pt"})
+    save_file(d, str(dpath), metadata={"format": "pt"})
+
+
 def make_artifact(root: Path, *, arch: str = "llama", seed: int = 0, max_batch: int = 4, max_context: int = 96,
-                  **draft_kw) -> Path:
+                  agree: bool = True, **draft_kw) -> Path:
     """A runnable artifact: a random target (with a small BPE tokenizer) and a random DSpark drafter for it,
-    exported by `dspark-trt export`'s library call (it dispatches on the draft's format)."""
-    from conftest import make_tokenizer
+    exported by `dspark-trt export`'s library call (it dispatches on the draft's format). agree: the lm_heads
+    rewritten so drafts are often, not always, accepted (agreeing_lm_heads)."""
+    from conftest import TINY_VOCAB, make_tokenizer
     from dspark_trt.exporter.export import export_artifacts
 
     root.mkdir(parents=True, exist_ok=True)
-    target_dir = make_target(root, arch=arch, seed=seed)
-    make_tokenizer(target_dir / "tokenizer.json", vocab=TARGET["vocab"])
-    draft_dir = make_draft(root, seed=seed + 1, **draft_kw)
+    target_dir = make_target(root, arch=arch, seed=seed, vocab=TINY_VOCAB)  # the tokenizer's ids fit
+    make_tokenizer(target_dir / "tokenizer.json")
+    draft_dir = make_draft(root, seed=seed + 1, vocab=TINY_VOCAB, **draft_kw)
+    if agree:
+        agreeing_lm_heads(target_dir, draft_dir, seed=seed + 2)
     return export_artifacts(target_dir, draft_dir, root / "art", max_batch=max_batch, max_context=max_context,
                             progress=False)
+
+
+def cached_artifact(tmp_path_factory, name: str, **kw) -> Path:
+    """make_artifact once per test session (exports take tens of seconds; several test modules share one)."""
+    root = tmp_path_factory.getbasetemp() / f"dspark-artifact-{name}"
+    art = root / "art"
+    if not (art / "manifest.json").is_file():
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+        make_artifact(root, **kw)
+    return art
