@@ -151,7 +151,7 @@ def agreeing_lm_heads(target_dir: Path, draft_dir: Path, seed: int = 0) -> None:
     save_file(d, str(dpath), metadata={"format": "pt"})
 
 
-def make_artifact(root: Path, *, arch: str = "llama", seed: int = 0, max_batch: int = 4, max_context: int = 96,
+def make_artifact(root: Path, *, arch: str = "llama", seed: int = 0, max_batch: int = 8, max_context: int = 96,
                   agree: bool = True, **draft_kw) -> Path:
     """A runnable artifact: a random target (with a small BPE tokenizer) and a random DSpark drafter for it,
     exported by `dspark-trt export`'s library call (it dispatches on the draft's format). agree: the lm_heads
@@ -179,3 +179,12 @@ def cached_artifact(tmp_path_factory, name: str, **kw) -> Path:
         shutil.rmtree(root, ignore_errors=True)
         make_artifact(root, **kw)
     return art
+
+
+# The runnable artifacts the runtime tests share (cached_artifact names them)
+ARTIFACT_VARIANTS = {
+    # Llama target, full vocabulary (the draft shares the target's embeddings and lm_head), confidence head
+    "full": dict(arch="llama", block_size=4),
+    # Qwen3 target, reduced draft vocabulary with d2t, no confidence head (the online estimator instead)
+    "reduced-headless": dict(arch="qwen3", block_size=3, draft_vocab=200, head=False, head_tensors=False),
+}

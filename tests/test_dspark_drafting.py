@@ -125,11 +125,3 @@ def test_artifact_records_the_dspark_drafter_and_runs(tmp_path):
     assert all(g.probs[i, j, g.tokens[i, j]] > 0 for i in range(2) for j in range(2))
     with pytest.raises(DsparkError, match="--force"):
         export_dspark_artifact(target_dir, draft_dir, art, max_batch=2, max_context=32)
-    # Until the runtime drives this drafter, the user-facing paths say so in one line instead of failing later.
-    from dspark_trt.exporter.export import export_artifacts
-    from dspark_trt.runtime import Runtime
-
-    with pytest.raises(DsparkError, match="cannot run it yet"):
-        export_artifacts(target_dir, draft_dir, tmp_path / "classic")
-    with pytest.raises(DsparkError, match="'dspark' drafter, which the runtime cannot run yet"):
-        Runtime.load(art)

@@ -1,0 +1,148 @@
+"""A DSpark drafter through the real runtime (ORT backend): greedy output equals no speculation in every
+mode, the drafter's context cache holds exactly the verified tokens, and the refusals are one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+from dspark_trt.errors import DsparkError  # noqa: E402
+from dspark_trt.manifest import load_manifest  # noqa: E402
+from dspark_trt.runtime import GenerationConfig, Runtime  # noqa: E402
+from dspark_trt.runtime.costs.table import CostTable  # noqa: E402
+from tests.dspark_fixtures import ARTIFACT_VARIANTS as VARIANTS  # noqa: E402
+from tests.dspark_fixtures import cached_artifact  # noqa: E402
+
+PROMPTS = [[3, 17, 42, 8, 99], [64, 2, 7, 7, 30, 1, 9], [11, 12], [200, 150, 31, 77]]
+
+
+# Each variant costs an export (about a minute here); the default suite runs one, `-m slow` the other.
+@pytest.fixture(scope="module", params=[pytest.param(v, marks=pytest.mark.slow) if v != "full" else v
+                                        for v in sorted(VARIANTS)])
+def artifact(request, tmp_path_factory):
+    return cached_artifact(tmp_path_factory, request.param, **VARIANTS[request.param])
+
+
+def speculating_runtime(art) -> Runtime:
+    """Verified tokens and draft calls nearly free next to a step's fixed cost, so adaptive speculates and
+    accept/reject paths run; the measured guard off (this test is about the speculative path)."""
+    rt = Runtime.load(art, profile="none")
+    rt.cost = CostTable(np.r_[0.0, 1000.0 + 0.001 * np.arange(200)], np.linspace(0, 0.01, 17), bounds=(1.0, 1.0))
+    rt.spec_guard = None
+    return rt
+
+
+def test_export_dispatches_on_the_draft_format_and_records_the_drafter_kind(artifact):
+    m = load_manifest(artifact)
+    assert m.validate() == [] and m.drafter_kind == "dspark"
+    assert set(m.graphs) == {"draft", "draft_sample", "target", "dspark_context"}
+    assert m.graphs["target"]["outputs"][-1]["name"] == "aux_hidden"
+    headless = m.draft["dspark"]["draft_vocab_size"] < m.model["vocab_size"]
+    assert m.draft["confidence"] == ("fallback" if headless else "head")
+    assert m.draft["max_draft"] == m.draft["dspark"]["num_draft"]
+
+
+def test_greedy_output_equals_no_speculation_in_every_mode(artifact):
+    rt = speculating_runtime(artifact)
+    n = rt.max_draft
+    try:
+        outs = {}
+        for spec in ("off", "fixed:1", f"fixed:{n}", "adaptive"):
+            res = rt.generate(PROMPTS, GenerationConfig(max_new_tokens=24, spec=spec, stop_at_eos=False))
+            assert all(r.error is None for r in res)
+            outs[spec] = [r.token_ids for r in res]
+            if spec != "off":
+                verified = sum(sum(r.stats["verified_counts"]) for r in res)
+                accepted = sum(sum(r.stats["accepted_counts"]) for r in res)
+                assert 0 < accepted < verified, spec  # drafts were verified, some accepted and some rejected
+        # every mode at once, in one batch
+        mixed = rt.generate(PROMPTS, [GenerationConfig(max_new_tokens=24, spec=s, stop_at_eos=False)
+                                      for s in ("off", "adaptive", f"fixed:{n}", "fixed:2")])
+    finally:
+        rt.close()
+    for spec, out in outs.items():
+        assert out == outs["off"], spec
+    assert [r.token_ids for r in mixed] == outs["off"]
+
+
+def test_the_draft_context_holds_exactly_the_verified_tokens(artifact):
+    """Every block pass the runtime makes drafts what a drafter fed from scratch with the target's hidden
+    states of the sequence so far drafts: accepted tokens entered the context, rejected ones never did."""
+    import torch
+
+    from dspark_trt.models.checkpoint import load_decoder
+    from dspark_trt.runtime.dspark_drafting import DsparkDrafting
+
+    m = load_manifest(artifact)
+    rt = speculating_runtime(artifact)
+    drafting = rt.drafter.drafting
+    calls = []
+    block = drafting.draft
+
+    def recording(slots, anchors, *rest):
+        d = block(slots, anchors, *rest)
+        calls.append((int(drafting.context_len[slots[0]]), d.tokens[0].tolist(), d.survival[0].copy()))
+        return d
+
+    drafting.draft = recording
+    try:
+        (res,) = rt.generate([PROMPTS[1]], GenerationConfig(max_new_tokens=24, spec=f"fixed:{rt.max_draft}",
+                                                            stop_at_eos=False))
+    finally:
+        rt.close()
+    seq = PROMPTS[1] + res.token_ids
+    assert len(calls) >= 4 and res.stats["accepted"] > 0 and res.stats["accepted"] < res.stats["verified_tokens"] - res.stats["steps"]
+    target = load_decoder(m["sources"]["target"])
+    layers = m.draft["dspark"]["aux_layers"]
+    with torch.no_grad():
+        _, aux = target.forward_dense(torch.tensor([seq]), aux_layers=layers)
+    fresh = DsparkDrafting.from_artifact(artifact)
+    for ctx, tokens, survival in calls:
+        fresh.release(0)
+        fresh.observe(0, aux[0, :ctx].numpy(), 0)
+        d = fresh.draft([0], [seq[ctx]])
+        assert d.tokens[0].tolist() == tokens
+        np.testing.assert_allclose(d.survival[0], survival, atol=1e-4)
+
+
+def test_fixed_k_beyond_the_block_size_is_refused_in_one_line(artifact):
+    rt = Runtime.load(artifact, profile="none")
+    try:
+        k = rt.max_draft + 1
+        with pytest.raises(DsparkError, match=rf"^spec fixed:{k} exceeds the DSpark drafter's block size "
+                                              rf"{rt.max_draft} \(it drafts that many tokens per pass\)$"):
+            rt.submit(PROMPTS[0], GenerationConfig(spec=f"fixed:{k}"))
+    finally:
+        rt.close()
+
+
+def test_other_backends_and_export_options_that_do_not_apply_are_refused(artifact, tmp_path):
+    from dspark_trt.exporter.export import export_artifacts
+
+    with pytest.raises(DsparkError, match="runs on --backend ort only"):
+        Runtime.load(artifact, backend="torch", profile="none")
+    src = load_manifest(artifact)["sources"]
+    with pytest.raises(DsparkError, match="^--head does not apply to the DSpark drafter"):
+        export_artifacts(src["target"], src["draft"], tmp_path / "a", head_dir=tmp_path)
+    with pytest.raises(DsparkError, match="^--dtype fp16: a DSpark drafter exports in fp32 only"):
+        export_artifacts(src["target"], src["draft"], tmp_path / "a", dtype="fp16")
+
+
+def test_generate_compare_on_a_dspark_artifact(artifact, tmp_path):
+    """The CLI end to end: profile at load, adaptive vs no speculation, identical greedy text."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    out = subprocess.run([sys.executable, "-m", "dspark_trt.cli", "generate", str(art), "--prompt", "def fib(n):",
+                          "--max-new-tokens", "12", "--compare", "--json"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)["summary"]
+    assert summary["identical_to_off"] is True and summary["output_tokens"] > 0
+    # the cost profile was measured at load (and saved, unless the machine was too busy for a steady one)
+    assert (art / "cost_profile.json").is_file() or "cost profile not saved" in out.stderr
