@@ -50,20 +50,19 @@ def chi_square_pvalue(counts, probs, min_expected=5.0):
     return 1 - chi2.cdf(stat, keep.sum() - 1), keep.sum()
 
 
-@pytest.mark.parametrize("spec", ["adaptive", "fixed:3"])
-def test_speculative_sampling_matches_target_distribution(far_pair, spec):
-    target, draft = far_pair
-    rt = Runtime.from_checkpoints(target, draft, max_draft=3, max_batch=16, max_context=128)
-    # Verified tokens and draft calls almost free next to a step's fixed cost (which dwarfs the runtime's
-    # measured extra overhead of drafting steps): the solver admits drafts, so the acceptance/residual
-    # path is exercised. Drift correction off, or the table would follow the real calls (a few ms) down
-    # to a quarter of it, where a loaded machine's overhead of drafting steps (up to ~40 ms measured)
-    # makes the planner stop drafting, as it should on real costs.
+def speculate_cheaply(rt) -> None:
+    """Verified tokens and draft calls almost free next to a step's fixed cost (which dwarfs the runtime's
+    measured extra overhead of drafting steps): the solver admits drafts, so the acceptance/residual
+    path is exercised. Drift correction off, or the table would follow the real calls (a few ms) down
+    to a quarter of it, where a loaded machine's overhead of drafting steps (up to ~40 ms measured)
+    makes the planner stop drafting, as it should on real costs. And the measured guard off: on this
+    machine plain steps may really be faster, and this test is about the speculative path (the guard
+    only ever chooses not to speculate, from past timings)."""
     rt.cost = CostTable(np.r_[0.0, 1000.0 + 0.001 * np.arange(200)], np.linspace(0, 0.01, 17), bounds=(1.0, 1.0))
-    # ... and the measured guard off: on this machine plain steps may really be faster, and this test is
-    # about the speculative path (the guard only ever chooses not to speculate, from past timings).
     rt.spec_guard = None
-    prompt = rt.tokenizer.encode("def fib(n):")
+
+
+def assert_second_token_follows_the_target(rt, target_dir, prompt, spec) -> None:
     cfgs = [GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, spec=spec, seed=s,
                              stop_at_eos=False) for s in range(N_SAMPLES)]
     outs = rt.generate([prompt] * N_SAMPLES, cfgs)
@@ -72,11 +71,33 @@ def test_speculative_sampling_matches_target_distribution(far_pair, spec):
     verified, accepted = sum(snap["verified_per_position"]), sum(snap["accepted_per_position"])
     assert verified > 0.9 * N_SAMPLES and 0.05 * verified < accepted < 0.9 * verified  # speculated, with rejections
     second = np.array([o.token_ids[1] for o in outs])
-    probs = exact_second_token_marginal(target, prompt, TEMPERATURE)
+    probs = exact_second_token_marginal(target_dir, prompt, TEMPERATURE)
     counts = np.bincount(second, minlength=len(probs))
     p, bins = chi_square_pvalue(counts, probs)
     assert bins >= 5
     assert p > 1e-3, f"second-token distribution differs from the target's (p={p:.2e})"
+
+
+@pytest.mark.parametrize("spec", ["adaptive", "fixed:3"])
+def test_speculative_sampling_matches_target_distribution(far_pair, spec):
+    target, draft = far_pair
+    rt = Runtime.from_checkpoints(target, draft, max_draft=3, max_batch=16, max_context=128)
+    speculate_cheaply(rt)
+    assert_second_token_follows_the_target(rt, target, rt.tokenizer.encode("def fib(n):"), spec)
+
+
+@pytest.mark.parametrize("spec", ["adaptive", "fixed:3"])
+def test_dspark_drafter_sampling_matches_target_distribution(tmp_path_factory, spec):
+    """The same check with a DSpark drafter on ORT: drafts and q from the sampling graph (MarkovSample,
+    q in the target vocabulary), fed to SampleAccept like the classic drafter's."""
+    pytest.importorskip("onnxruntime")
+    from dspark_trt.manifest import load_manifest
+    from tests.dspark_fixtures import ARTIFACT_VARIANTS, cached_artifact
+
+    art = cached_artifact(tmp_path_factory, "full", **ARTIFACT_VARIANTS["full"])
+    rt = Runtime.load(art, profile="none")
+    speculate_cheaply(rt)
+    assert_second_token_follows_the_target(rt, load_manifest(art)["sources"]["target"], [3, 17, 42, 8, 99], spec)
 
 
 def test_the_check_detects_a_biased_sampler(far_pair):
