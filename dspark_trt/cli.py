@@ -25,11 +25,12 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 @cli.command()
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target model directory (HF layout).")
-@click.option("--draft", "draft_dir", required=True, type=click.Path(), help="Draft model directory (HF layout).")
+@click.option("--draft", "draft_dir", required=True, type=click.Path(), help="Draft model directory (HF layout), or a DSpark drafter in vLLM's format.")
 @click.option("--head", "head_dir", type=click.Path(), default=None,
               help="Head directory written by train-head or calibrate (default: the draft directory's head, if present).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Artifact directory to write.")
-@click.option("--max-draft", default=7, type=click.IntRange(1, 32), help="Maximum draft length K.")
+@click.option("--max-draft", default=7, type=click.IntRange(1, 32),
+              help="Maximum draft length K (a DSpark drafter: its block size, this option does not apply).")
 @click.option("--max-batch", default=64, type=click.IntRange(1, 4096), help="Maximum concurrent requests.")
 @click.option("--max-context", default=1024, type=click.IntRange(16, 1 << 20), help="Maximum context length.")
 @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16"]), help="Precision of the exported graphs.")

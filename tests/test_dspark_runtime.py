@@ -121,8 +121,12 @@ def test_fixed_k_beyond_the_block_size_is_refused_in_one_line(artifact):
 def test_other_backends_and_export_options_that_do_not_apply_are_refused(artifact, tmp_path):
     from dspark_trt.exporter.export import export_artifacts
 
+    from dspark_trt.exporter.build import plan_build
+
     with pytest.raises(DsparkError, match="runs on --backend ort only"):
         Runtime.load(artifact, backend="torch", profile="none")
+    with pytest.raises(DsparkError, match="its TensorRT engines are not built yet; run the artifact with --backend ort"):
+        plan_build(artifact)
     src = load_manifest(artifact)["sources"]
     with pytest.raises(DsparkError, match="^--head does not apply to the DSpark drafter"):
         export_artifacts(src["target"], src["draft"], tmp_path / "a", head_dir=tmp_path)

@@ -81,6 +81,9 @@ def plan_build(artifact_dir, out_dir=None, plugin_mode: str = "aot",
     mode = _check_plugin_mode(plugin_mode)
     base = Path(artifact_dir)
     manifest = Manifest.load(base)
+    if manifest.drafter_kind == "dspark":
+        raise DsparkError(f"{base} holds a DSpark drafter: its TensorRT engines are not built yet; run the "
+                          "artifact with --backend ort")
     out = Path(out_dir) if out_dir is not None else base / "engines"
     dtype = manifest.model["dtype"]
     onnx_dtype = MODEL_DTYPE_TO_ONNX[dtype]
