@@ -25,7 +25,8 @@ def cli(ctx: click.Context, debug: bool) -> None:
 
 @cli.command()
 @click.option("--target", "target_dir", required=True, type=click.Path(), help="Target model directory (HF layout).")
-@click.option("--draft", "draft_dir", required=True, type=click.Path(), help="Draft model directory (HF layout), or a DSpark drafter in vLLM's format.")
+@click.option("--draft", "draft_dir", required=True, type=click.Path(),
+              help="Draft model directory (HF layout), or a DSpark drafter in vLLM's format.")
 @click.option("--head", "head_dir", type=click.Path(), default=None,
               help="Head directory written by train-head or calibrate (default: the draft directory's head, if present).")
 @click.option("--out", "out_dir", required=True, type=click.Path(), help="Artifact directory to write.")

@@ -87,10 +87,6 @@ class Runtime:
         # A backend may keep the caches itself (e.g. on the GPU for TensorRT); the default is host numpy.
         make_cache = getattr(backend, "make_kv_cache", None) or KVCache
         self.target_kv = make_cache(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
-        self.drafter_kind = d.get("kind", "classic")
-        # A DSpark drafter keeps its own context cache (runtime/dspark_drafting.py).
-        self.draft_kv = (None if self.drafter_kind == "dspark" else
-                         make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"], kv_dtype))
         self.metrics = Metrics(self.max_draft)
         self.costs = Costs(self.max_tokens_per_step, self.max_draft, t.overhead_alpha)
         self.costs.table = cost_table
@@ -104,7 +100,9 @@ class Runtime:
         guard = SpecGuard(t.guard) if t.guard.enabled else None
         self.admission = Admission(self.slots_total, self.max_batch, max_queue, t, self.costs, self.query_len_max,
                                    self.metrics)
-        self.drafter = self._make_drafter()
+        self.drafter_kind = d.get("kind", "classic")
+        self.draft_kv = None  # the classic draft's KV cache (a DSpark drafter keeps its own context cache)
+        self.drafter = self._make_drafter(make_cache, kv_dtype)
         self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, guard, sequential=self.drafter.sequential)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
@@ -117,7 +115,7 @@ class Runtime:
         self._closed = False
         self._in_step = False
 
-    def _make_drafter(self):
+    def _make_drafter(self, make_cache, kv_dtype):
         """The drafter phase of the artifact's drafter kind (both implement draft / observe / prepare_call)."""
         limits = (self.max_draft, self.max_context, self.max_tokens_per_step)
         if self.drafter_kind == "dspark":
@@ -130,6 +128,9 @@ class Runtime:
                                       num_slots=self.slots_total, max_context=self.max_context,
                                       sample_path=self.artifact_dir / sample["file"] if sample else None)
             return DsparkDrafter(drafting, self.tuning, limits, self.survival_correction, self.costs, self.metrics)
+        d = self.manifest["draft"]
+        self.draft_kv = make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"],
+                                   kv_dtype)
         return Drafter(self.backend, self.draft_kv, self.tuning, limits, self.controller, self.survival_correction,
                        self.costs, self.metrics)
 
@@ -145,9 +146,7 @@ class Runtime:
     @property
     def draft_limit(self) -> str | None:
         """What bounds fixed:K, for the refusal of a larger K (None: the artifact's max draft length)."""
-        if self.drafter_kind == "dspark":
-            return f"the DSpark drafter's block size {self.max_draft} (it drafts that many tokens per pass)"
-        return None
+        return self.drafter.spec_limit
 
     @property
     def spec_guard(self) -> SpecGuard | None:

@@ -88,7 +88,7 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
         # runtime's drift correction observes the same span, with packing the feeds).
         def once(feeds, past) -> float:
             s = time.perf_counter()
-            if run is None:  # a prepared call (the drafter phase's own)
+            if run is None:  # make_feeds gave a prepared call (the drafter phase's own: either drafter kind)
                 feeds()
             else:
                 _, present = run(feeds, past)

@@ -58,6 +58,7 @@ class Drafter:
     """
 
     sequential = True  # a draft depth of j costs j draft calls (the depth planner prices it so)
+    spec_limit = None  # what bounds fixed:K in its refusal (None: the artifact's max draft length)
 
     def __init__(self, backend, kv, tuning, limits, controller, correction: SurvivalCorrection | None, costs, metrics):
         self.backend, self.kv, self.tuning = backend, kv, tuning

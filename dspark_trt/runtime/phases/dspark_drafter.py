@@ -32,6 +32,7 @@ class DsparkDrafter:
         self.max_draft, self.max_context, _ = limits
         self.correction, self.costs, self.metrics = correction, costs, metrics
         self._probes = 0
+        self.spec_limit = f"the DSpark drafter's block size {self.max_draft} (it drafts that many tokens per pass)"
 
     def cap(self, r: Request, depth: int) -> int:
         """Most drafts request r gets this step: fixed:K -> K; adaptive -> the whole block when the depth
