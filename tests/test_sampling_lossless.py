@@ -86,7 +86,7 @@ def test_speculative_sampling_matches_target_distribution(far_pair, spec):
     assert_second_token_follows_the_target(rt, target, rt.tokenizer.encode("def fib(n):"), spec)
 
 
-@pytest.mark.parametrize("spec", ["adaptive", "fixed:3"])
+@pytest.mark.parametrize("spec", ["adaptive", pytest.param("fixed:3", marks=pytest.mark.slow)])
 def test_dspark_drafter_sampling_matches_target_distribution(tmp_path_factory, spec):
     """The same check with a DSpark drafter on ORT: drafts and q from the sampling graph (MarkovSample,
     q in the target vocabulary), fed to SampleAccept like the classic drafter's."""
