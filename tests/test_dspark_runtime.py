@@ -118,6 +118,16 @@ def test_fixed_k_beyond_the_block_size_is_refused_in_one_line(artifact):
         rt.close()
 
 
+def test_bench_refuses_fixed_k_beyond_the_block_size_naming_the_block_size(artifact, tmp_path):
+    from dspark_trt.bench.harness import run_bench
+    from dspark_trt.manifest import load_manifest
+
+    k = int(load_manifest(artifact)["limits"]["max_draft"]) + 1
+    with pytest.raises(DsparkError, match=rf"--modes 'off,fixed:{k}': spec fixed:{k} exceeds the DSpark "
+                                          rf"drafter's block size"):
+        run_bench(artifact, modes=f"off,fixed:{k}", out_dir=tmp_path / "bench")
+
+
 def test_other_backends_and_export_options_that_do_not_apply_are_refused(artifact, tmp_path):
     from dspark_trt.exporter.export import export_artifacts
 

@@ -34,6 +34,7 @@ from dspark_trt.bench.options import (DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKEN
                                       requests_per_run, resolve_out_dir)
 from dspark_trt.bench.results import _command_line, _env, _write, render_markdown  # noqa: F401
 from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.config import fixed_k_limit
 
 __all__ = ["run_bench", "apply_quick", "requests_per_run", "parse_concurrency", "parse_modes", "resolve_out_dir",
            "summarize_requests", "run_metrics", "DEFAULT_CONCURRENCY", "DEFAULT_MODES", "QUICK"]
@@ -76,7 +77,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
     if quick_modes:
         modes = ",".join(m for m in QUICK["modes"].split(",")
                          if not m.startswith("fixed:") or int(m[6:]) <= max_draft)
-    mode_list = parse_modes(modes, max_draft)
+    mode_list = parse_modes(modes, max_draft, fixed_k_limit(manifest.drafter_kind, max_draft))
     notes: list[str] = []
     if peers and 1 not in levels:
         levels = [1] + levels

@@ -25,6 +25,7 @@ from dspark_trt.bench.latency import request_latencies, summarize_open, tokens_b
 from dspark_trt.bench.options import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, OPEN_QUICK, parse_modes, parse_rates
 from dspark_trt.bench.workload import build_requests, parse_temperature, parse_workload
 from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.config import fixed_k_limit
 
 WARMUP_TOKENS = 8
 
@@ -59,7 +60,7 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
     max_batch, max_draft, max_context = int(lim["max_batch"]), int(lim["max_draft"]), int(lim["max_context"])
     if quick and modes == OPEN_QUICK["modes"]:  # the preset drops fixed:K above the artifact's max draft
         modes = ",".join(m for m in modes.split(",") if not m.startswith("fixed:") or int(m[6:]) <= max_draft)
-    mode_list = parse_modes(modes, max_draft)
+    mode_list = parse_modes(modes, max_draft, fixed_k_limit(manifest.drafter_kind, max_draft))
     if quick:  # 6 s of arrivals, at most 100 requests, unless given
         duration = OPEN_QUICK["duration"] if duration is None and num_prompts is None else duration
         num_prompts = OPEN_QUICK["num_prompts"] if num_prompts is None else num_prompts

@@ -47,7 +47,7 @@ def parse_concurrency(value) -> list[int]:
     return sorted(set(out))
 
 
-def parse_modes(value, max_draft: int | None = None) -> list[str]:
+def parse_modes(value, max_draft: int | None = None, limit: str | None = None) -> list[str]:
     """'off,fixed:2,adaptive' -> canonical mode names in the given order, duplicates dropped (fixed:0 is off).
     With ``max_draft``, fixed:K above it is a DsparkError naming the re-export."""
     from dspark_trt.runtime.config import parse_spec
@@ -56,7 +56,7 @@ def parse_modes(value, max_draft: int | None = None) -> list[str]:
     out: list[str] = []
     for s in items:
         try:
-            mode = str(parse_spec(s, max_draft))
+            mode = str(parse_spec(s, max_draft, limit))
         except DsparkError as e:
             raise DsparkError(f"--modes {value!r}: {e}") from None
         if mode not in out:

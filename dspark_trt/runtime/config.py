@@ -29,6 +29,13 @@ def spec_syntax(spec: str) -> SpecMode:
     raise DsparkError(f"spec {spec!r} is not one of off, fixed:K, adaptive")
 
 
+def fixed_k_limit(drafter_kind: str, max_draft: int) -> str | None:
+    """What bounds fixed:K for this drafter, for the refusal of a larger K (None: the default text)."""
+    if drafter_kind == "dspark":
+        return f"the DSpark drafter's block size {max_draft} (it drafts that many tokens per pass)"
+    return None
+
+
 def parse_spec(spec: str | SpecMode, max_draft: int | None = None, limit: str | None = None) -> SpecMode:
     """limit: what bounds K, for the refusal (default: the artifact's max draft length)."""
     mode = spec if isinstance(spec, SpecMode) else spec_syntax(spec)

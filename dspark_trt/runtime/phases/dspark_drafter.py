@@ -18,6 +18,7 @@ import numpy as np
 
 from dspark_trt.runtime.phases.drafter import Draft, DraftRound, probe_turn
 from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.config import fixed_k_limit
 
 __all__ = ["DsparkDrafter"]
 
@@ -32,7 +33,7 @@ class DsparkDrafter:
         self.max_draft, self.max_context, _ = limits
         self.correction, self.costs, self.metrics = correction, costs, metrics
         self._probes = 0
-        self.spec_limit = f"the DSpark drafter's block size {self.max_draft} (it drafts that many tokens per pass)"
+        self.spec_limit = fixed_k_limit("dspark", self.max_draft)
 
     def cap(self, r: Request, depth: int) -> int:
         """Most drafts request r gets this step: fixed:K -> K; adaptive -> the whole block when the depth
