@@ -177,3 +177,61 @@ def test_build_plans_an_engine_for_the_greedy_draft_graph(tiny_artifact, tmp_pat
     assert set(g["profiles"][0]) == {io["name"] for io in
                                      json.loads((Path(tiny_artifact) / "manifest.json").read_text())
                                      ["graphs"][GREEDY_DRAFT_GRAPH]["inputs"]}
+
+
+# ------------------------------------------------------------------------------------------- verification
+
+
+def _target_feeds(m: dict, temps: list[float], seed: int) -> dict:
+    """A verify call: each request its last token + 3 drafts; draft_probs a real distribution."""
+    from dspark_trt.runtime.batch import pack_queries, verify_rows
+
+    rng = np.random.default_rng(seed)
+    vocab, slots, md = m["model"]["vocab_size"], m["limits"]["max_batch"], m["model"]
+    r = len(temps)
+    feeds = pack_queries([list(rng.integers(0, vocab, 4)) for _ in range(r)], [6] * r, list(range(r)))
+    vl = np.full(r, 3, np.int64)
+    feeds.update(verify_index=verify_rows(feeds["query_lens"], vl), verify_lens=vl)
+    n = len(feeds["verify_index"])
+    q = rng.random((n, vocab)).astype(np.float32)
+    feeds.update(draft_tokens=rng.integers(0, vocab, n), draft_probs=q / q.sum(1, keepdims=True),
+                 temperature=np.asarray(temps, np.float32), accept_uniforms=rng.random(n).astype(np.float32),
+                 sample_uniforms=rng.random(r).astype(np.float32))
+    for name in kv_names(md["num_layers"], "past"):
+        feeds[name] = rng.standard_normal((6, slots, md["num_kv_heads"], md["head_dim"])).astype(np.float32)
+    return feeds
+
+
+def test_the_sampled_acceptance_runs_only_behind_an_if_on_a_sampled_row(tiny_artifact):
+    import onnx
+
+    model = onnx.load(str(Path(tiny_artifact) / "target.onnx"))
+    top = {n.op_type for n in model.graph.node}
+    assert "GreedyAccept" in top and "SampleAccept" not in top
+    branch = next(n for n in model.graph.node if n.op_type == "If")
+    sampled = next(a.g for a in branch.attribute if a.name == "then_branch")
+    assert "SampleAccept" in {n.op_type for n in sampled.node}
+
+
+@pytest.mark.parametrize("temps", [[0.0, 0.0, 0.0], [0.0, 0.8, 0.0], [1.0, 0.7, 1.3]])
+def test_the_if_wrapped_target_gives_the_flat_graphs_results(tiny_artifact, tmp_path, temps):
+    """Greedy, mixed and sampled steps: the wrapped graph (ORT) and the flat one TensorRT builds from agree."""
+    import onnx
+    import onnxruntime as ort
+
+    from dspark_trt.exporter.trt_builder import parser_copy
+
+    art = Path(tiny_artifact)
+    m = json.loads((art / "manifest.json").read_text())
+    flat = onnx.load_from_string(parser_copy(art / "target.onnx", flat_acceptance=True))
+    assert {"If"}.isdisjoint(n.op_type for n in flat.graph.node)
+    assert {"GreedyAccept", "SampleAccept"} <= {n.op_type for n in flat.graph.node}
+    onnx.checker.check_model(flat, full_check=True)
+    wrapped = ort.InferenceSession(str(art / "target.onnx"), providers=["CPUExecutionProvider"])
+    flat_s = ort.InferenceSession(flat.SerializeToString(), providers=["CPUExecutionProvider"])
+    for seed in range(3):
+        feeds = _target_feeds(m, temps, seed)
+        a = wrapped.run(["accepted", "next_token"], feeds)
+        b = flat_s.run(["accepted", "next_token"], feeds)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[1], b[1])
