@@ -123,9 +123,6 @@ def plan_build(artifact_dir, out_dir=None, plugin_mode: str = "aot",
             # even in a process where the plugin module is registered (it would otherwise create the plugin
             # with no AOT/JIT preference, which a plugin with both implementations refuses).
             "strip_plugin_namespace": mode == "none",
-            # The target's sampled acceptance sits in an If for ONNX Runtime (exporter/sampled_branch.py);
-            # the engine is built from the flat graph, both acceptance ops on every row.
-            "flat_acceptance": g == "target",
             "parser_note": ("dspark nodes carry plugin_namespace='dspark', so the parser imports them as plugins "
                             "when the plugin module is loaded and falls back to their local function bodies "
                             "otherwise (plugin mode 'none' strips the attribute from the parsed copy); "

@@ -114,11 +114,4 @@ def _export(module, args, input_names, output_names, num_layers, path: Path, ext
         program = torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=outs,
                                     dynamic_shapes=_dynamic_shapes(input_names, num_layers), optimize=True,
                                     verbose=False)
-    post_process = attach_functions
-    if module.__class__.__name__ == "TargetStep":
-        from dspark_trt.exporter import sampled_branch
-
-        def post_process(model):
-            attach_functions(model)
-            sampled_branch.wrap(model)
-    return save_program(program, path, external_data, post_process)
+    return save_program(program, path, external_data, attach_functions)

@@ -26,23 +26,9 @@ def without_plugin_namespace(path, namespace: str = trt_env.PLUGIN_NAMESPACE) ->
     """The ONNX model at `path` (external weights left where they are) with `plugin_namespace` removed from
     every node of `namespace`'s domain, in graphs, subgraphs and function bodies: the TensorRT parser then
     imports each such node from its model-local function body, registered plugin or not."""
-    return parser_copy(path, strip_namespace=True, namespace=namespace)
-
-
-def parser_copy(path, strip_namespace: bool = False, flat_acceptance: bool = False,
-                namespace: str = trt_env.PLUGIN_NAMESPACE) -> bytes:
-    """The ONNX model at `path` (external weights left where they are) as the parser should read it:
-    strip_namespace (see without_plugin_namespace); flat_acceptance: the target's sampled acceptance
-    taken out of its If (exporter/sampled_branch.py), as the graph was before that wrap."""
     import onnx
 
-    from dspark_trt.exporter import sampled_branch
-
     model = onnx.load(str(path), load_external_data=False)
-    if flat_acceptance:
-        sampled_branch.unwrap(model)
-    if not strip_namespace:
-        return model.SerializeToString()
 
     def strip(nodes) -> None:
         for n in nodes:
@@ -96,10 +82,9 @@ def build_engine(trt, graph: str, entry: dict, logger=None) -> tuple[bytes, dict
     for name in entry.get("parser_flags", []):
         parser.set_flag(getattr(trt.OnnxParserFlag, name))
 
-    if entry.get("strip_plugin_namespace") or entry.get("flat_acceptance"):
+    if entry.get("strip_plugin_namespace"):
         # `OnnxParser.parse(model, path)`: path only locates external weights (TensorRT >= 8.0).
-        ok = parser.parse(parser_copy(entry["onnx"], bool(entry.get("strip_plugin_namespace")),
-                                      bool(entry.get("flat_acceptance"))), str(entry["onnx"]))
+        ok = parser.parse(without_plugin_namespace(entry["onnx"]), str(entry["onnx"]))
     else:
         ok = parser.parse_from_file(str(entry["onnx"]))
     if not ok:
