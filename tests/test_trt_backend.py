@@ -556,6 +556,28 @@ def test_backend_binds_cache_views_and_matches_host():
     assert be.runners["draft"].context.runs == len(steps) + 2
 
 
+def test_a_zero_rows_feed_is_zeroed_on_the_device_not_copied():
+    """Greedy verify steps feed draft_probs as ZeroRows: the runner zeroes its device buffer (a memset)
+    instead of copying [M, V] zeros from the host every step."""
+    pytest.importorskip("torch")
+    from dspark_trt.runtime.batch import ZeroRows, pack_queries, verify_rows
+
+    be = fake_backend()
+    f = pack_queries([[1, 2, 3], [4]], [5, 9], [0, 3])
+    vl = np.array([2, 0])
+    f.update(verify_index=verify_rows(f["query_lens"], vl), verify_lens=vl)
+    m = len(f["verify_index"])
+    f.update(draft_tokens=np.zeros(m, np.int64), temperature=np.zeros(2, np.float32),
+             accept_uniforms=np.zeros(m, np.float32), sample_uniforms=np.zeros(2, np.float32))
+    past = be.make_kv_cache(LAYERS, CTX, SLOTS, KVH, HD, np.float32).past(10)
+    ctx = be.runners["target"].context
+    be.run_target(dict(f, draft_probs=np.full((m, V), 0.25, np.float32)), past)  # the device buffer now holds 0.25
+    assert _array_at(ctx.addrs["draft_probs"], (m, V), "float32").max() == 0.25
+    # a ZeroRows whose host memory is not zero (never so in the runtime) shows that nothing was copied
+    be.run_target(dict(f, draft_probs=np.full((m, V), 0.5, np.float32).view(ZeroRows)), past)
+    assert not _array_at(ctx.addrs["draft_probs"], (m, V), "float32").any()
+
+
 def test_backend_errors_and_shape_fallbacks():
     pytest.importorskip("torch")
     be = fake_backend()

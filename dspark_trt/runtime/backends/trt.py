@@ -43,6 +43,7 @@ from dspark_trt.runtime.backends.trt_io import (GRAPHS, GraphIO, check_engine_io
                                                  kv_dtype_for, output_shapes, pick_output_shape, profile_problems,
                                                  profile_ranges, resolve_dims, select_engines, split_io,
                                                  trt_dtype_name)
+from dspark_trt.runtime.batch import ZeroRows
 
 
 class _Scratch:
@@ -149,6 +150,10 @@ class GraphRunner:
         with self._on_stream():
             for s in io.feeds:
                 if s.name not in self.bound_inputs:
+                    continue
+                if isinstance(feeds[s.name], ZeroRows):  # known zeros: a device memset, no host copy
+                    dev = self.scratch.get(s.name, shapes[s.name], self.tdtype[s.name])
+                    tensors[s.name] = dev.zero_()
                     continue
                 host = np.asarray(feeds[s.name])
                 want = self.ndtype.get(s.name)
