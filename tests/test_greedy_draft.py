@@ -126,6 +126,19 @@ def test_greedy_generate_drafts_on_the_greedy_graph_only(tiny_artifact):
     assert calls.get(GREEDY_DRAFT_GRAPH, 0) > 0 and calls.get("draft", 0) == 0, calls
 
 
+def test_the_torch_backend_drafts_greedy_calls_on_the_greedy_module(tiny_artifact):
+    """The eager reference runs the same two flavours (it builds them from the checkpoints)."""
+    pytest.importorskip("torch")
+    from dspark_trt.runtime import GenerationConfig, Runtime
+
+    with Runtime.load(tiny_artifact, backend="torch", profile="none") as rt:
+        off = [r.token_ids for r in rt.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=12, spec="off"))]
+        got = [r.token_ids for r in rt.generate(PROMPTS[:2], GenerationConfig(max_new_tokens=12, spec="fixed:3"))]
+        calls = dict(rt.backend.calls)
+    assert got == off
+    assert calls.get(GREEDY_DRAFT_GRAPH, 0) > 0 and calls.get("draft", 0) == 0, calls
+
+
 def test_a_step_mixing_greedy_and_sampled_rows_drafts_on_the_full_graph_and_stays_lossless(tiny_artifact):
     """Sampled rows need the distribution: a call holding one runs the full graph; the greedy rows beside
     them still produce the target's greedy text, and sampling with speculation follows the same draws."""
