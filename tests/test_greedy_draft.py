@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dspark_trt.manifest import GREEDY_DRAFT_GRAPH, GREEDY_DRAFT_INPUTS, DRAFT_INPUTS, kv_names
+from dspark_trt.manifest import DRAFT_INPUTS, GREEDY_DRAFT_GRAPH, GREEDY_DRAFT_INPUTS, kv_names
 
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:"]
 

@@ -400,7 +400,8 @@ def test_select_engines_takes_the_greedy_draft_engine_when_one_was_built(tmp_pat
     assert set(tio.select_engines(m, tmp_path, "10.9.0", "9.0")) == {"draft", "target"}  # built before it existed
     p = tmp_path / "engines" / "draft_greedy.engine"
     p.write_bytes(b"plan draft_greedy")
-    m["engines"]["draft_greedy"] = dict(m["engines"]["draft"], file="engines/draft_greedy.engine", sha256=sha256_file(p))
+    m["engines"]["draft_greedy"] = dict(m["engines"]["draft"], file="engines/draft_greedy.engine",
+                                        sha256=sha256_file(p))
     assert tio.select_engines(m, tmp_path, "10.9.0", "9.0")["draft_greedy"][0] == p
     m["engines"]["draft_greedy"]["tensorrt_version"] = "10.8.0"
     with pytest.raises(DsparkError, match="engine for the draft_greedy graph was built with TensorRT 10.8.0"):
