@@ -20,15 +20,18 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.manifest_schema import (CONFIDENCE_MODES, DRAFTER_KINDS, GRAPHS, IO_DTYPES,  # noqa: F401
-                                        MANIFEST_FORMAT, MANIFEST_VERSION, MODEL_DTYPE_TO_ONNX, MODEL_DTYPES,
-                                        PLUGIN_MODES, _is_int, manifest_problems)
+from dspark_trt.manifest_schema import (CONFIDENCE_MODES, DRAFTER_KINDS, GRAPHS, GREEDY_DRAFT_GRAPH,  # noqa: F401
+                                        IO_DTYPES, MANIFEST_FORMAT, MANIFEST_VERSION, MODEL_DTYPE_TO_ONNX,
+                                        MODEL_DTYPES, OPTIONAL_GRAPHS, PLUGIN_MODES, _is_int, manifest_problems)
 
 MANIFEST_NAME = "manifest.json"
 # Graph I/O names: the contract between the exported graphs (exporter/graphs.py) and every backend.
 PACKED_INPUTS = ["tokens", "positions", "pack_index", "unpack_index", "query_lens", "past_lens", "slot_ids"]
 DRAFT_INPUTS = PACKED_INPUTS + ["temperature", "uniforms", "prev_survival", "draft_position"]
 DRAFT_OUTPUTS = ["draft_token", "draft_probs", "survival", "confidence_logit"]
+# The all-greedy draft flavour (graph GREEDY_DRAFT_GRAPH): no temperatures or draws in, no distribution out.
+GREEDY_DRAFT_INPUTS = PACKED_INPUTS + ["prev_survival", "draft_position"]
+GREEDY_DRAFT_OUTPUTS = ["draft_token", "survival", "confidence_logit"]
 TARGET_INPUTS = PACKED_INPUTS + ["verify_index", "verify_lens", "draft_tokens", "draft_probs", "temperature",
                                  "accept_uniforms", "sample_uniforms"]
 TARGET_OUTPUTS = ["accepted", "next_token"]

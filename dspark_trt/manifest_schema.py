@@ -10,6 +10,11 @@ MANIFEST_FORMAT = "dspark-trt-artifact"
 MANIFEST_VERSION = 1
 
 GRAPHS = ("draft", "target")
+# Graphs an artifact may add to GRAPHS, each built into an engine like them when present. draft_greedy:
+# the classic draft step for calls whose rows are all greedy (no [R, V] distribution computed or returned);
+# artifacts without it run every call on `draft`.
+GREEDY_DRAFT_GRAPH = "draft_greedy"
+OPTIONAL_GRAPHS = (GREEDY_DRAFT_GRAPH,)
 MODEL_DTYPES = ("fp32", "fp16", "bf16")
 # Graph I/O dtypes a manifest may declare (all are TensorRT I/O types).
 IO_DTYPES = ("int64", "int32", "float32", "float16", "bfloat16", "bool", "uint8")

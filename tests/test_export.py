@@ -59,12 +59,12 @@ def test_target_logits_match_torch(tiny_artifact):
 def test_checker_and_manifest(tiny_artifact):
     import onnx
 
-    for g in ("draft.onnx", "target.onnx"):
+    for g in ("draft.onnx", "draft_greedy.onnx", "target.onnx"):
         onnx.checker.check_model(str(tiny_artifact / g), full_check=True)
     m = json.loads((tiny_artifact / "manifest.json").read_text())
     assert m["format_version"] == 1 and m["limits"]["max_draft"] == 4
     assert {i["name"] for i in m["graphs"]["target"]["outputs"]} >= {"accepted", "next_token", "present.0.key"}
-    assert set(m["files"]) == {"draft.onnx", "target.onnx", "tokenizer.json"}
+    assert set(m["files"]) == {"draft.onnx", "draft_greedy.onnx", "target.onnx", "tokenizer.json"}
     from dspark_trt.exporter.check import check_artifacts
 
     report = check_artifacts(tiny_artifact)

@@ -392,6 +392,22 @@ def test_select_engines(tmp_path):
         tio.select_engines(m, tmp_path, "10.9.0", "9.0")
 
 
+def test_select_engines_takes_the_greedy_draft_engine_when_one_was_built(tmp_path):
+    from dspark_trt.manifest import sha256_file
+
+    m = _with_engines(tmp_path, toy_manifest())
+    m["graphs"]["draft_greedy"] = dict(m["graphs"]["draft"], file="draft_greedy.onnx")
+    assert set(tio.select_engines(m, tmp_path, "10.9.0", "9.0")) == {"draft", "target"}  # built before it existed
+    p = tmp_path / "engines" / "draft_greedy.engine"
+    p.write_bytes(b"plan draft_greedy")
+    m["engines"]["draft_greedy"] = dict(m["engines"]["draft"], file="engines/draft_greedy.engine",
+                                        sha256=sha256_file(p))
+    assert tio.select_engines(m, tmp_path, "10.9.0", "9.0")["draft_greedy"][0] == p
+    m["engines"]["draft_greedy"]["tensorrt_version"] = "10.8.0"
+    with pytest.raises(DsparkError, match="engine for the draft_greedy graph was built with TensorRT 10.8.0"):
+        tio.select_engines(m, tmp_path, "10.9.0", "9.0")
+
+
 # ------------------------------------------------------------------------------------------- without TensorRT
 
 
@@ -541,6 +557,28 @@ def test_backend_binds_cache_views_and_matches_host():
     assert be.runners["draft"].context.runs == len(steps) + 2
 
 
+def test_a_zero_rows_feed_is_zeroed_on_the_device_not_copied():
+    """Greedy verify steps feed draft_probs as ZeroRows: the runner zeroes its device buffer (a memset)
+    instead of copying [M, V] zeros from the host every step."""
+    pytest.importorskip("torch")
+    from dspark_trt.runtime.batch import ZeroRows, pack_queries, verify_rows
+
+    be = fake_backend()
+    f = pack_queries([[1, 2, 3], [4]], [5, 9], [0, 3])
+    vl = np.array([2, 0])
+    f.update(verify_index=verify_rows(f["query_lens"], vl), verify_lens=vl)
+    m = len(f["verify_index"])
+    f.update(draft_tokens=np.zeros(m, np.int64), temperature=np.zeros(2, np.float32),
+             accept_uniforms=np.zeros(m, np.float32), sample_uniforms=np.zeros(2, np.float32))
+    past = be.make_kv_cache(LAYERS, CTX, SLOTS, KVH, HD, np.float32).past(10)
+    ctx = be.runners["target"].context
+    be.run_target(dict(f, draft_probs=np.full((m, V), 0.25, np.float32)), past)  # the device buffer now holds 0.25
+    assert _array_at(ctx.addrs["draft_probs"], (m, V), "float32").max() == 0.25
+    # a ZeroRows whose host memory is not zero (never so in the runtime) shows that nothing was copied
+    be.run_target(dict(f, draft_probs=np.full((m, V), 0.5, np.float32).view(ZeroRows)), past)
+    assert not _array_at(ctx.addrs["draft_probs"], (m, V), "float32").any()
+
+
 def test_backend_errors_and_shape_fallbacks():
     pytest.importorskip("torch")
     be = fake_backend()
@@ -642,9 +680,10 @@ def test_fake_contexts_running_onnx_graphs_match_ort_backend(tiny_artifact):
     from dspark_trt.runtime.runtime import Runtime, load_manifest
 
     manifest = load_manifest(tiny_artifact)
+    graphs = ("draft", "draft_greedy", "target")
     sessions = {g: ort.InferenceSession(str(Path(tiny_artifact) / manifest["graphs"][g]["file"]),
-                                        providers=["CPUExecutionProvider"]) for g in ("draft", "target")}
-    contexts = {g: (FakeContext(g, manifest, fn=_ort_fn(sessions)), None) for g in ("draft", "target")}
+                                        providers=["CPUExecutionProvider"]) for g in graphs}
+    contexts = {g: (FakeContext(g, manifest, fn=_ort_fn(sessions)), None) for g in graphs}
     be = tb.TrtBackend.from_contexts(tiny_artifact, manifest, contexts, torch)
     cfg = GenerationConfig(max_new_tokens=16, temperature=0.0, spec="fixed:3")
     prompts = ["def fib(n):", "import os\n"]
@@ -655,6 +694,7 @@ def test_fake_contexts_running_onnx_graphs_match_ort_backend(tiny_artifact):
     with Runtime(tiny_artifact, manifest, be, load_tokenizer(Path(tiny_artifact) / "tokenizer.json")) as rt:
         got = [r.token_ids for r in rt.generate(prompts, cfg)]
     assert got == want
+    assert be.calls["draft_greedy"] > 0 and be.calls["draft"] == 0  # greedy drafting on the greedy engine
 
 
 @pytest.mark.trt
@@ -683,4 +723,6 @@ def test_trt_engines_greedy_match_ort(tiny_artifact, tmp_path):
     with Runtime.load(art, backend="trt", profile="none") as rt:
         assert isinstance(rt.target_kv, DeviceKVCache) and rt.target_kv.device.type == "cuda"
         got = [r.token_ids for r in rt.generate(prompts, cfg)]
+        calls = dict(rt.backend.calls)
     assert got == want
+    assert calls.get("draft_greedy", 0) > 0  # the greedy draft engine was built and drafted

@@ -1,4 +1,5 @@
-"""`dspark-trt build DIR`: TensorRT engines for the draft and target graphs.
+"""`dspark-trt build DIR`: TensorRT engines for the draft and target graphs (and the all-greedy draft graph
+when the artifact has one: one engine per graph, built the same way).
 
 `plan_build` says exactly what will be built and how, without TensorRT (`--dry-run` prints it);
 `build_engines` checks the environment (TensorRT, GPU and plugins come from `dspark_trt.trt_env`, the
@@ -22,7 +23,8 @@ from pathlib import Path
 
 from dspark_trt import trt_env
 from dspark_trt.errors import DsparkError
-from dspark_trt.manifest import GRAPHS, MODEL_DTYPE_TO_ONNX, Manifest, now_iso, sha256_file, write_atomic
+from dspark_trt.manifest import (GRAPHS, MODEL_DTYPE_TO_ONNX, OPTIONAL_GRAPHS, Manifest, now_iso, sha256_file,
+                                 write_atomic)
 from dspark_trt.trt_env import NEEDS_GPU, NOT_INSTALLED, PLUGIN_MODULE, PLUGIN_NAMESPACE  # noqa: F401 (re-exported)
 
 PLUGINS = trt_env.PLUGIN_IDS
@@ -90,7 +92,7 @@ def plan_build(artifact_dir, out_dir=None, plugin_mode: str = "aot",
 
     graphs = {}
     all_ops: set[str] = set()
-    for g in GRAPHS:
+    for g in (*GRAPHS, *(g for g in OPTIONAL_GRAPHS if g in manifest.graphs)):
         spec = manifest.graphs[g]
         onnx_path = base / spec["file"]
         if not onnx_path.is_file():
@@ -184,7 +186,7 @@ def check_build_environment(plugin_mode: str = "aot"):
 
 def build_engines(artifact_dir, out_dir=None, plugin_mode: str = "aot",
                   workspace_bytes: int = DEFAULT_WORKSPACE_BYTES) -> list[Path]:
-    """Build both engines on this machine's GPU, record them in the manifest, return their paths."""
+    """Build the engines on this machine's GPU, record them in the manifest, return their paths."""
     from dspark_trt.exporter import trt_builder
 
     trt, gpu = check_build_environment(plugin_mode)

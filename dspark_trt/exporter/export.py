@@ -7,8 +7,10 @@ from pathlib import Path
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.exporter.draft_check import check_draft_cheaper
-from dspark_trt.manifest import Manifest
+from dspark_trt.manifest import GREEDY_DRAFT_GRAPH, Manifest
 from dspark_trt.outputs import Staging, check_out_dir, replace_dir
+
+GREEDY_DRAFT_FILE = f"{GREEDY_DRAFT_GRAPH}.onnx"
 
 
 def plan_dims(max_batch: int, max_draft: int, max_context: int) -> tuple[dict, dict]:
@@ -75,7 +77,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     from tqdm import tqdm
 
     from dspark_trt.exporter.build_modules import load_steps
-    from dspark_trt.exporter.onnx_export import export_draft, export_target
+    from dspark_trt.exporter.onnx_export import export_draft, export_greedy_draft, export_target
     from dspark_trt.models.checkpoint import check_same_vocab, torch_dtype
     from dspark_trt.models.confidence_head import has_head
     from dspark_trt.models.config import load_config, sliding_window_problem
@@ -126,6 +128,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         tdt = torch_dtype(dtype)
         bar.set_postfix_str("draft.onnx")
         written = export_draft(draft_step, tmp / "draft.onnx", max_batch, tdt, external_data)
+        written += export_greedy_draft(draft_step, tmp / GREEDY_DRAFT_FILE, max_batch, tdt, external_data)
         bar.update()
         bar.set_postfix_str("target.onnx")
         del draft_step  # free the draft's weights before tracing the target
@@ -134,6 +137,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         bar.update()
         bar.set_postfix_str("manifest")
         graphs = {"draft": {"file": "draft.onnx", **_io(tmp / "draft.onnx")},
+                  GREEDY_DRAFT_GRAPH: {"file": GREEDY_DRAFT_FILE, **_io(tmp / GREEDY_DRAFT_FILE)},
                   "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype,

@@ -1,4 +1,5 @@
-"""The two exported graphs as torch modules: one draft step and one target prefill/verify step.
+"""The exported graphs as torch modules: one draft step (and its all-greedy flavour) and one target
+prefill/verify step.
 
 Both run packed batches (see models/decoder.py). The dspark custom ops appear as single ONNX nodes
 under export (torch.onnx.ops.symbolic) and run the numpy reference in eager mode, so the torch
@@ -69,11 +70,8 @@ class DraftStep(_PackedGraph):
 
     def forward(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
                 temperature, uniforms, prev_survival, draft_position, *past):
-        hidden, present = self.run_decoder(tokens, positions, pack_index, unpack_index, query_lens, past_lens,
-                                           slot_ids, past)
-        r = pack_index.shape[0]
-        last = pack_index.gather(1, (query_lens - 1)[:, None])[:, 0]  # packed index of each request's last token
-        h_last = hidden[last]
+        h_last, prev_token, present = self.last_hidden(tokens, positions, pack_index, unpack_index, query_lens,
+                                                       past_lens, slot_ids, past)
         logits = self.logits(h_last)  # [R, V]
         # Token choice in a handful of plain ops (the draft runs K times per step, so its per-call cost
         # matters): greedy = ArgMax (lowest index on ties, in torch and ONNX alike); sampling = inverse
@@ -86,17 +84,54 @@ class DraftStep(_PackedGraph):
         token = torch.where(temperature > 0, sampled, logits.argmax(dim=-1))
         onehot = (torch.arange(logits.shape[1], device=logits.device)[None, :] == token[:, None]).float()
         probs = torch.where(greedy, onehot, soft)
+        conf, surv = self.confidence(h_last, prev_token, logits, prev_survival, draft_position,
+                                     lambda: torch.softmax(logits, dim=-1).max(dim=-1).values)
+        return (token, probs, surv, conf, *present)
+
+    def last_hidden(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids, past):
+        """(hidden state of each request's last token [R, H], that token [R], present KV)."""
+        hidden, present = self.run_decoder(tokens, positions, pack_index, unpack_index, query_lens, past_lens,
+                                           slot_ids, past)
+        last = pack_index.gather(1, (query_lens - 1)[:, None])[:, 0]  # packed index of each request's last token
+        return hidden[last], tokens[last], present
+
+    def confidence(self, h_last, prev_token, logits, prev_survival, draft_position, max_prob):
+        """(confidence logit [R], survival [R]); max_prob() -> max_v q(v) at temperature 1, read only
+        without a head."""
         if self.head is not None:
             stats = draft_stats(logits, self.head.stats) if self.head.stats else None
-            conf = self.head(h_last, tokens[last], stats).float()
+            conf = self.head(h_last, prev_token, stats).float()
         else:
             # No head: the draft's own confidence, max_v q(v) at temperature 1. It never depends on the
             # drafted token itself (unlike q(x_k)), so it is also safe for lossless sampling.
-            m = torch.softmax(logits, dim=-1).max(dim=-1).values.clamp(FALLBACK_CLAMP, 1 - FALLBACK_CLAMP)
+            m = max_prob().clamp(FALLBACK_CLAMP, 1 - FALLBACK_CLAMP)
             conf = torch.log(m) - torch.log1p(-m)
         (surv,) = call_op("Survival", [conf[:, None], prev_survival, draft_position],
-                          {"temperatures": self.temperatures}, [torch.float32], [[r, 1]])
-        return (token, probs, surv[:, 0], conf, *present)
+                          {"temperatures": self.temperatures}, [torch.float32], [[prev_survival.shape[0], 1]])
+        return conf, surv[:, 0]
+
+
+class GreedyDraftStep(DraftStep):
+    """The draft step of a call whose rows are all greedy: the argmax token and the survival only.
+
+    No [R, V] distribution leaves the graph and none is built: greedy acceptance never reads it, and at
+    a 128k vocabulary building and copying it costs several times the draft model itself. Same modules
+    (and parameter names) as DraftStep, so both graphs compute the same tokens and survivals.
+    """
+
+    def forward(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids,
+                prev_survival, draft_position, *past):
+        h_last, prev_token, present = self.last_hidden(tokens, positions, pack_index, unpack_index, query_lens,
+                                                       past_lens, slot_ids, past)
+        logits = self.logits(h_last)  # [R, V]
+        token = logits.argmax(dim=-1)
+
+        def max_prob():  # max_v softmax(l)_v = 1 / sum_v exp(l_v - max l), a reduction with no [R, V] result
+            top = logits.max(dim=-1, keepdim=True).values
+            return 1.0 / torch.exp(logits - top).sum(dim=-1)
+
+        conf, surv = self.confidence(h_last, prev_token, logits, prev_survival, draft_position, max_prob)
+        return (token, surv, conf, *present)
 
 
 def accept(logits, draft_tokens, verify_lens, draft_probs, temperature, accept_uniforms, sample_uniforms):

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
-from dspark_trt.exporter.graphs import DraftStep, TargetStep
-from dspark_trt.manifest import DRAFT_INPUTS, DRAFT_OUTPUTS, TARGET_INPUTS, TARGET_OUTPUTS, kv_names
+from dspark_trt.exporter.graphs import DraftStep, GreedyDraftStep, TargetStep
+from dspark_trt.manifest import (DRAFT_INPUTS, DRAFT_OUTPUTS, GREEDY_DRAFT_INPUTS, GREEDY_DRAFT_OUTPUTS, TARGET_INPUTS,
+                                 TARGET_OUTPUTS, kv_names)
 
 # Example sizes used for tracing; all distinct and >= 2 so no dim is specialised or aliased.
 EX_QUERY_LENS = [4, 1, 2]  # R = 3, Lq = 4, N = 7
@@ -56,15 +57,24 @@ def _dynamic_shapes(input_names, num_layers):
     return tuple(shapes)
 
 
-def export_draft(step: DraftStep, path: Path, num_slots: int, dtype, external_data: str = "auto") -> list[str]:
+def _draft_examples(num_slots: int) -> dict:
     ex = _packed_examples(num_slots)
-    r = len(EX_QUERY_LENS)
     ex.update(temperature=torch.tensor([0.0, 0.7, 1.0]), uniforms=torch.tensor([0.1, 0.5, 0.9]),
               prev_survival=torch.tensor([1.0, 0.5, 0.25]), draft_position=torch.tensor([0, 1, 2], dtype=torch.int64))
-    args = tuple(ex[k] for k in DRAFT_INPUTS) + tuple(_past(step.decoder, num_slots, dtype))
-    assert len(ex["query_lens"]) == r
-    layers = step.num_layers
-    return _export(step, args, DRAFT_INPUTS, DRAFT_OUTPUTS, layers, path, external_data)
+    return ex
+
+
+def export_draft(step: DraftStep, path: Path, num_slots: int, dtype, external_data: str = "auto") -> list[str]:
+    args = tuple(_draft_examples(num_slots)[k] for k in DRAFT_INPUTS) + tuple(_past(step.decoder, num_slots, dtype))
+    return _export(step, args, DRAFT_INPUTS, DRAFT_OUTPUTS, step.num_layers, path, external_data)
+
+
+def export_greedy_draft(step: DraftStep, path: Path, num_slots: int, dtype, external_data: str = "auto") -> list[str]:
+    """The all-greedy flavour of `step` (exporter/graphs.GreedyDraftStep), over the same modules."""
+    greedy = GreedyDraftStep(step.decoder, step.head, step.temperatures).eval()
+    args = tuple(_draft_examples(num_slots)[k] for k in GREEDY_DRAFT_INPUTS) + \
+        tuple(_past(step.decoder, num_slots, dtype))
+    return _export(greedy, args, GREEDY_DRAFT_INPUTS, GREEDY_DRAFT_OUTPUTS, step.num_layers, path, external_data)
 
 
 def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: int,

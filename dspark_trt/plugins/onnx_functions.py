@@ -87,7 +87,9 @@ def _unsq(b: _Body, x: str, axis: int) -> str:
 def _lowest_argmax(b: _Body, lf: str, vf: str, iota_vf: str) -> str:
     """Lowest-index argmax per row of [M, V] float -> [M] int64 (all -inf row -> 0)."""
     rmax = b.op("ReduceMax", lf, b.const([1], "int64"), keepdims=1)
-    score = b.op("Where", b.op("Equal", lf, rmax), b.op("Sub", vf, iota_vf), b.const(0.0))
+    # (V - index) where the row max is, else 0: as a product, not a Where, whose broadcast over [M, V] is
+    # ONNX Runtime's slowest kernel in a verify step at V = 128256 (the values are identical).
+    score = b.op("Mul", _float(b, b.op("Equal", lf, rmax)), b.op("Sub", vf, iota_vf))
     smax = b.op("ReduceMax", score, b.const([1], "int64"), keepdims=0)
     idx = b.op("Where", b.op("Greater", smax, b.const(0.0)), b.op("Sub", vf, smax), b.const(0.0))
     return _int64(b, idx)

@@ -42,3 +42,12 @@ def verify_rows(query_lens: np.ndarray, verify_lens: np.ndarray) -> np.ndarray:
     offsets = np.cumsum(counts) - counts
     within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(offsets, counts)
     return np.repeat(ends - counts, counts) + within
+
+
+class ZeroRows(np.ndarray):
+    """An all-zero feed the runtime never writes (the draft distribution of greedy verify rows): a backend
+    that copies feeds to a device may zero its device buffer instead of copying [M, V] zeros."""
+
+
+def zero_rows(shape: tuple, dtype=np.float32) -> ZeroRows:
+    return np.zeros(shape, dtype=dtype).view(ZeroRows)

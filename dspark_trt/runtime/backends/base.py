@@ -18,6 +18,11 @@ class Backend(Protocol):
     def run_target(self, feeds: dict[str, np.ndarray], past: list[np.ndarray]) -> tuple[dict[str, np.ndarray], list[np.ndarray]]:
         ...
 
+    # Optional: the all-greedy draft flavour (manifest graph "draft_greedy"). A backend that sets
+    # has_greedy_draft runs it with run_draft_greedy(feeds, past) (feeds without temperature and
+    # uniforms; outputs without draft_probs); without the attribute every draft call uses run_draft.
+    # has_greedy_draft: bool
+
 
 def make_backend(name: str, artifact_dir, manifest: dict, **options):
     """options: backend-specific (torch: device="cuda", dtype="fp16"); the others take none."""

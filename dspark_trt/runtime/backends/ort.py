@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.manifest_schema import GREEDY_DRAFT_GRAPH, OPTIONAL_GRAPHS
 
 
 def _providers(ort) -> list[str]:
@@ -42,7 +44,10 @@ class OrtBackend:
         self.sessions = {}
         self.outputs = {}
         # A DSpark drafter's graphs run in its own drafter phase (runtime/dspark_drafting.py).
-        graphs = ("target",) if manifest["draft"].get("kind") == "dspark" else ("draft", "target")
+        if manifest["draft"].get("kind") == "dspark":
+            graphs = ["target"]
+        else:
+            graphs = ["draft", "target"] + [g for g in OPTIONAL_GRAPHS if g in manifest["graphs"]]
         for graph in graphs:
             path = Path(artifact_dir) / manifest["graphs"][graph]["file"]
             if not path.is_file():
@@ -53,9 +58,12 @@ class OrtBackend:
                 raise DsparkError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}") from None
             self.sessions[graph] = sess
             self.outputs[graph] = [o.name for o in sess.get_outputs()]
-        self.num_layers = {g: manifest[g if g == "draft" else "model"]["num_layers"] for g in ("draft", "target")}
+        self.num_layers = {g: manifest["model" if g == "target" else "draft"]["num_layers"] for g in graphs}
+        self.has_greedy_draft = GREEDY_DRAFT_GRAPH in self.sessions
+        self.calls = Counter()  # runs per graph (which graph ran is a fact tests and metrics can read)
 
     def _run(self, graph: str, feeds: dict, past: list[np.ndarray]):
+        self.calls[graph] += 1
         n = self.num_layers[graph]
         names = [f"past_key_values.{i}.{kv}" for i in range(n) for kv in ("key", "value")]
         feeds = dict(feeds, **dict(zip(names, past)))
@@ -66,6 +74,11 @@ class OrtBackend:
 
     def run_draft(self, feeds, past):
         return self._run("draft", feeds, past)
+
+    def run_draft_greedy(self, feeds, past):
+        """The draft step on the all-greedy graph (needs has_greedy_draft): no temperature/uniforms in,
+        no draft_probs out."""
+        return self._run(GREEDY_DRAFT_GRAPH, feeds, past)
 
     def run_target(self, feeds, past):
         return self._run("target", feeds, past)

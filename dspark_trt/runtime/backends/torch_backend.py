@@ -8,6 +8,7 @@ entries go to the device (the KV entries in the module dtype), outputs come back
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +43,11 @@ class TorchBackend:
         self.torch = torch
         steps_manifest = dict(manifest, model=dict(manifest["model"], dtype=self.dtype))
         self.draft, self.target = (m.to(self.device) for m in build_steps(steps_manifest))
+        from dspark_trt.exporter.graphs import GreedyDraftStep
+
+        self.draft_greedy = GreedyDraftStep(self.draft.decoder, self.draft.head, self.draft.temperatures).eval()
+        self.has_greedy_draft = True  # the modules themselves: no exported flavour needed
+        self.calls = Counter()
         self.num_layers = {"draft": manifest["draft"]["num_layers"], "target": manifest["model"]["num_layers"]}
         self._float = next(self.target.parameters()).dtype
 
@@ -55,7 +61,8 @@ class TorchBackend:
             t = t.float()
         return t.cpu().numpy()
 
-    def _run(self, module, outputs: list[str], n_layers: int, input_names: list[str], feeds, past):
+    def _run(self, graph: str, module, outputs: list[str], n_layers: int, input_names: list[str], feeds, past):
+        self.calls[graph] += 1  # runs per graph name, as the ort backend counts them
         args = [self._to_device(feeds[name]) for name in input_names]
         args += [self._to_device(p, kv=True) for p in past]
         with self.torch.no_grad():
@@ -68,12 +75,18 @@ class TorchBackend:
     def run_draft(self, feeds, past):
         from dspark_trt.manifest import DRAFT_INPUTS, DRAFT_OUTPUTS
 
-        return self._run(self.draft, DRAFT_OUTPUTS, self.num_layers["draft"], DRAFT_INPUTS, feeds, past)
+        return self._run("draft", self.draft, DRAFT_OUTPUTS, self.num_layers["draft"], DRAFT_INPUTS, feeds, past)
+
+    def run_draft_greedy(self, feeds, past):
+        from dspark_trt.manifest import GREEDY_DRAFT_GRAPH, GREEDY_DRAFT_INPUTS, GREEDY_DRAFT_OUTPUTS
+
+        return self._run(GREEDY_DRAFT_GRAPH, self.draft_greedy, GREEDY_DRAFT_OUTPUTS, self.num_layers["draft"],
+                         GREEDY_DRAFT_INPUTS, feeds, past)
 
     def run_target(self, feeds, past):
         from dspark_trt.manifest import TARGET_INPUTS, TARGET_OUTPUTS
 
-        return self._run(self.target, TARGET_OUTPUTS, self.num_layers["target"], TARGET_INPUTS, feeds, past)
+        return self._run("target", self.target, TARGET_OUTPUTS, self.num_layers["target"], TARGET_INPUTS, feeds, past)
 
 
 def check_device(torch, device):

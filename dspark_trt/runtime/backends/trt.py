@@ -29,6 +29,7 @@ CUDA build of torch next to it (the `export` extra).
 
 from __future__ import annotations
 
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Mapping
@@ -36,11 +37,13 @@ from typing import Any, Mapping
 import numpy as np
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.manifest_schema import GREEDY_DRAFT_GRAPH, OPTIONAL_GRAPHS
 from dspark_trt.runtime.backends.device_kv import ALIGN_BYTES, PresentList, aligned_elems, torch_dtype
 from dspark_trt.runtime.backends.trt_io import (GRAPHS, GraphIO, check_engine_io, graph_layers, graph_specs,
                                                  kv_dtype_for, output_shapes, pick_output_shape, profile_problems,
                                                  profile_ranges, resolve_dims, select_engines, split_io,
                                                  trt_dtype_name)
+from dspark_trt.runtime.batch import ZeroRows
 
 
 class _Scratch:
@@ -147,6 +150,10 @@ class GraphRunner:
         with self._on_stream():
             for s in io.feeds:
                 if s.name not in self.bound_inputs:
+                    continue
+                if isinstance(feeds[s.name], ZeroRows):  # known zeros: a device memset, no host copy
+                    dev = self.scratch.get(s.name, shapes[s.name], self.tdtype[s.name])
+                    tensors[s.name] = dev.zero_()
                     continue
                 host = np.asarray(feeds[s.name])
                 want = self.ndtype.get(s.name)
@@ -306,9 +313,11 @@ class TrtBackend:
         where = str(artifact_dir)
         self.artifact_dir, self.manifest, self.torch = artifact_dir, manifest, torch
         self.device, self.stream = device, stream
-        self.num_layers = {g: graph_layers(manifest, g) for g in GRAPHS}
+        graphs = [g for g in (*GRAPHS, *OPTIONAL_GRAPHS) if g in contexts]
+        self.num_layers = {g: graph_layers(manifest, g) for g in graphs}
         self.runners = {}
-        for g in GRAPHS:
+        self.calls = Counter()  # runs per graph
+        for g in graphs:
             ins, outs = graph_specs(manifest, g)
             io = split_io(ins, outs, self.num_layers[g], g)
             context, eio = contexts[g]
@@ -325,8 +334,19 @@ class TrtBackend:
         return DeviceKVCache(num_layers, max_context, slots, kv_heads, head_dim, kv, device=self.device,
                              stream=self.stream, torch=self.torch)
 
+    @property
+    def has_greedy_draft(self) -> bool:
+        return GREEDY_DRAFT_GRAPH in self.runners
+
+    def _run(self, graph: str, feeds, past):
+        self.calls[graph] += 1
+        return self.runners[graph].run(feeds, past)
+
     def run_draft(self, feeds, past):
-        return self.runners["draft"].run(feeds, past)
+        return self._run("draft", feeds, past)
+
+    def run_draft_greedy(self, feeds, past):
+        return self._run(GREEDY_DRAFT_GRAPH, feeds, past)
 
     def run_target(self, feeds, past):
-        return self.runners["target"].run(feeds, past)
+        return self._run("target", feeds, past)

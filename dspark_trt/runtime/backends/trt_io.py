@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.manifest import kv_names
-from dspark_trt.manifest_schema import MODEL_DTYPE_TO_ONNX
+from dspark_trt.manifest_schema import MODEL_DTYPE_TO_ONNX, OPTIONAL_GRAPHS
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."  # manifest.kv_names' prefixes
 GRAPHS = ("draft", "target")
@@ -60,7 +60,7 @@ def graph_specs(manifest: Any, graph: str) -> tuple[list[TensorSpec], list[Tenso
 
 def graph_layers(manifest: Any, graph: str) -> int:
     d = _data(manifest)
-    return int(d["draft" if graph == "draft" else "model"]["num_layers"])
+    return int(d["model" if graph == "target" else "draft"]["num_layers"])
 
 
 @dataclass(frozen=True)
@@ -241,7 +241,8 @@ def _as_manifest(manifest: Any, artifact_dir):
 def select_engines(manifest: Any, artifact_dir, trt_version: str, compute_capability) -> dict[str, tuple[Path, dict]]:
     """{graph: (engine path, manifest engine entry)} for both graphs, or DsparkError saying what to build:
     no engines, an engine for another TensorRT / GPU, one built from an older export, a missing or
-    modified engine file."""
+    modified engine file. An optional graph (draft_greedy) is included when the artifact has it and an
+    engine was built for it (engines built before it existed run without it)."""
     from dspark_trt.runtime.engine_check import check_engine_compat, verify_engine_file
 
     m = _as_manifest(manifest, artifact_dir)
@@ -249,7 +250,8 @@ def select_engines(manifest: Any, artifact_dir, trt_version: str, compute_capabi
         raise DsparkError(no_engines_message(artifact_dir))
     files = m.files
     out = {}
-    for g in GRAPHS:
+    optional = [g for g in OPTIONAL_GRAPHS if g in m.graphs and g in m.engines]
+    for g in (*GRAPHS, *optional):
         entry = check_engine_compat(m, g, trt_version, compute_capability)
         onnx_file = (m.graphs.get(g) or {}).get("file")
         current = (files.get(onnx_file) or {}).get("sha256") if onnx_file else None

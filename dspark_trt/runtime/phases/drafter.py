@@ -129,7 +129,7 @@ class Drafter:
             engine_ms += ms
             nxt, nq = [], []
             # Plain lists: indexing numpy per request per call costs more than the bookkeeping itself.
-            drafted, survivals, dist = outs["draft_token"].tolist(), outs["survival"].tolist(), outs["draft_probs"]
+            drafted, survivals, dist = outs["draft_token"].tolist(), outs["survival"].tolist(), outs.get("draft_probs")
             for i, r in enumerate(current):
                 rid = r.id
                 r.draft_len += len(queries[i])
@@ -190,7 +190,8 @@ class Drafter:
                 break
             qs = [r.tokens[r.draft_len:r.draft_len + c] for r, c in group]
             t = time.perf_counter()
-            _, ms = self.run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group), observe=False)
+            _, ms = self.run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group), observe=False,
+                                   need_probs=False)
             engine_ms += ms
             # New prompts must reach the draft in any drafting regime: that share of the call stays in the
             # step overhead the planner charges to drafting. Requests that decoded a while without drafting
@@ -233,16 +234,24 @@ class Drafter:
                 return set()
         return keep
 
-    def run_draft(self, reqs, queries, prev_survival, positions, observe: bool = True):
-        """One draft call; returns (outputs, engine ms). observe: a drafting call the cost tables price."""
+    def run_draft(self, reqs, queries, prev_survival, positions, observe: bool = True, need_probs: bool = True):
+        """One draft call; returns (outputs, engine ms). observe: a drafting call the cost tables price;
+        need_probs: the caller may read draft_probs of sampling rows (catch-up calls read nothing).
+
+        A call with no sampling row (or whose outputs are not read) runs the all-greedy graph when the
+        artifact has one: it neither builds nor returns the [R, V] distribution."""
         t0 = time.perf_counter()
         feeds = pack_queries(queries, [r.draft_len for r in reqs], [r.slot for r in reqs])
-        feeds["temperature"] = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
-        feeds["uniforms"] = np.asarray([r.draft_draw(k) for r, k in zip(reqs, positions)], dtype=np.float32)
+        greedy = getattr(self.backend, "has_greedy_draft", False) and \
+            not (need_probs and any(r.sampling for r in reqs))
+        if not greedy:
+            feeds["temperature"] = np.asarray([r.config.temperature for r in reqs], dtype=np.float32)
+            feeds["uniforms"] = np.asarray([r.draft_draw(k) for r, k in zip(reqs, positions)], dtype=np.float32)
         feeds["prev_survival"] = np.asarray(prev_survival, dtype=np.float32)
         feeds["draft_position"] = np.asarray(positions, dtype=np.int64)
         t = time.perf_counter()
-        outs, present = self.backend.run_draft(feeds, self.kv.past(int(feeds["past_lens"].max())))
+        run = self.backend.run_draft_greedy if greedy else self.backend.run_draft
+        outs, present = run(feeds, self.kv.past(int(feeds["past_lens"].max())))
         ms = (time.perf_counter() - t) * 1e3
         self.kv.write(present, feeds["positions"], token_slots(feeds))
         if observe:
