@@ -10,12 +10,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dspark_trt.models.checkpoint import load_decoder
 from dspark_trt.models.dspark_drafter import load_dspark_drafter
 from dspark_trt.training.dspark_blocks import block_hidden, block_tokens, markov_logits, sample_anchors
 from dspark_trt.training.dspark_rollout import acceptance_summary, rollout
 from tests.dspark_fixtures import make_draft, make_target
+from tests.dspark_reference import reference_step
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "examples" / "models"
@@ -111,3 +113,33 @@ def test_the_example_script_trains_resumes_and_writes_a_loadable_draft_and_repor
     assert report["greedy"]["k"] == 4 and report["greedy"]["contexts"] == 256
     assert {"mean_ece_before", "mean_auroc"} <= set(report["calibration"]["summary"])
 
+
+
+def test_the_shipped_stdlib_drafter_drafts_for_the_stdlib_target():
+    from tokenizers import Tokenizer
+
+    from dspark_trt.training.corpus import read_texts, stdlib_files
+
+    draft_dir, target_dir = MODELS / "stdlib-dspark-draft", MODELS / "stdlib-target"
+    drafter, target = load_dspark_drafter(draft_dir, target_dir), load_decoder(target_dir).eval()
+    tok = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    ids = []
+    for text in read_texts(stdlib_files("heldout")[:4]):
+        ids.extend(tok.encode(text).ids)
+    starts = np.random.default_rng(0).integers(0, len(ids) - 65, 24)
+    ctx = torch.tensor([ids[s:s + 64] for s in starts])
+    ro = rollout(drafter, target, ctx)
+    summary = acceptance_summary(ro.accepted)
+    assert summary["conditional_acceptance"][0] > 0.4
+    assert summary["tau"] > 2.0
+
+    # The file read by tensor name, as vLLM's loader reads it, drafts the same tokens and confidences.
+    raw = json.loads((draft_dir / "config.json").read_text())
+    tensors = {k: v.float() for k, v in load_file(str(draft_dir / "model.safetensors")).items()}
+    with torch.no_grad():
+        _, aux = target.forward_dense(ctx[:2, :-1], aux_layers=drafter.cfg.aux_layers)
+        for r in range(2):
+            toks, _, conf = reference_step(raw, tensors, aux[r], int(ctx[r, -1]), target.model.embed_tokens.weight,
+                                           target.lm_head.weight)
+            assert toks == ro.drafts[r].tolist()
+            assert (conf - torch.sigmoid(ro.conf_logits[r])).abs().max() <= 1e-4
