@@ -90,7 +90,7 @@ def test_where_the_model_is_sure_drafting_pays_the_guard_is_not_asked():
     costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))
     guard = SpecGuard()
     plan = depth_planner(guard=guard).plan_for(4, 4, costs.for_step(4, 0))
-    assert plan.steps > 0 and plan.arm is None and not plan.probing and not guard.report()
+    assert plan.steps > 0 and plan.arm is None and not plan.exploring and not guard.report()
     headroom = depth_planner(replace(RuntimeTuning(), plan_headroom=0)).plan_for(4, 4, costs.for_step(4, 0))
     assert headroom.steps == plan.steps - 1 or plan.steps == K
 

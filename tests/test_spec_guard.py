@@ -99,3 +99,26 @@ def test_rates_are_ratios_of_sums():
         g.record(4, g.arm(4), tokens, ms)
     d = 1 - DEFAULTS.alpha
     assert abs(g.report()[4]["spec_tok_per_ms"] - (10 + d * 1) / (10 + d * 10)) < 1e-12
+
+
+def test_when_the_model_comes_to_prefer_drafting_the_guard_follows_unless_measured_slower():
+    """A model that learned the true costs (say, from exploration) and now predicts drafting wins by more
+    than the margin is followed, though the guard's home arm was plain and its noisy measurements of
+    drafting are not significant; where measurement says drafting is clearly slower, the guard holds."""
+    import numpy as np
+
+    def drive(g, spec_rate, steps, model, lead):
+        rng = np.random.default_rng(0)
+        arms = []
+        for _ in range(steps):
+            arm = g.arm(32, model, lead)
+            rate = spec_rate * max(0.0, rng.normal(1.0, 0.6)) if arm == "spec" else 1.0  # drafting steps vary
+            g.record(32, arm, rate * 10.0, 10.0)
+            arms.append(arm)
+        return arms
+
+    for spec_rate, lead, follows in ((1.1, 0.2, True), (1.1, 0.0, False), (0.6, 0.2, False)):
+        g = SpecGuard()
+        drive(g, spec_rate, 200, "plain", 0.2)  # the model preferred plain: home is plain
+        arms = drive(g, spec_rate, 200, "spec", lead)
+        assert (arms.count("spec") > 0.8 * len(arms)) == follows, (spec_rate, lead)

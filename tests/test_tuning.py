@@ -30,13 +30,14 @@ def test_every_field_has_a_docstring_in_the_doc():
 def test_tuning_is_frozen_and_changed_with_replace():
     t = RuntimeTuning()
     with pytest.raises(dataclasses.FrozenInstanceError):
-        t.probe_every = 3
-    u = dataclasses.replace(t, probe_every=3, guard=dataclasses.replace(t.guard, margin=0.1))
-    assert (u.probe_every, u.guard.margin, t.probe_every) == (3, 0.1, 8)
+        t.plan_every = 3
+    u = dataclasses.replace(t, plan_every=3, guard=dataclasses.replace(t.guard, margin=0.1))
+    assert (u.plan_every, u.guard.margin, t.plan_every) == (3, 0.1, 8)
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"probe_every": 0}, "probe_every"),
+    ({"plan_every": 0}, "plan_every"),
+    ({"explore_budget": -0.1}, "explore_budget"),
     ({"rate_alpha": 1.5}, "rate_alpha"),
     ({"call_test": 1}, "call_test"),
     ({"guard": {"z": -1.0}}, "guard.z"),

@@ -108,7 +108,8 @@ class Runtime:
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
                                  self.costs, self.metrics)
         self.committer = Committer(tokenizer, self.eos_ids, self.max_context, self.metrics, self.admission)
-        self.learner = Learner(self.max_draft, t, self.survival_correction, guard, self.costs, self.metrics)
+        self.learner = Learner(self.max_draft, t, self.survival_correction, guard, self.costs, self.metrics,
+                               self.depth_planner.exploration)
         self._lock = self.admission.lock
         self._next_id = 0
         self._worker: threading.Thread | None = None
@@ -336,8 +337,10 @@ class Runtime:
             return False
         cost = self.costs.for_step(len(batch.decode), batch.past)
         depth = self.depth_planner.plan(batch, cost)
+        # One step in cost_observe_every feeds the tables, and every exploring step: it exists to be seen.
+        self.costs.observing = depth.exploring or self.metrics.steps % self.tuning.cost_observe_every == 0
         drafted = self.drafter.draft(batch, depth, cost)  # -> Draft named tuples, read by name
-        plan = self.verify_planner.plan(batch, drafted, cost)
+        plan = self.verify_planner.plan(batch, drafted, cost, depth.exploring)
         result = self.verifier.run(batch, drafted, plan)
         if result is None:
             return True

@@ -6,7 +6,10 @@ decision, and measured rates are the direct answer. Per load bucket (number of d
 rounded to a power of two) the guard keeps the output rate (tokens per ms of step wall time) of steps
 run with drafting ("spec") and without ("plain"), runs the cost model's choice until both arms are
 measured and then the arm it is on unless the other is measurably faster, and now and then runs a short
-trial of the arm it is not running so both rates stay current. The runtime feeds it each arm's steady
+trial of the arm it is not running so both rates stay current. When the cost model comes to prefer the
+other arm by more than the margin (it learned the true costs from its calls, or from exploration), the
+guard follows it unless measurement says that arm is the slower one: a guard that held on to the arm a
+profile too pessimistic about drafting once chose would keep the runtime stuck after the model recovered. The runtime feeds it each arm's steady
 decode work: without the prefill that lands on a step whichever arm runs, and without the draft
 catching up on what it skipped after a switch into "spec" (at 64 requests, hundreds of tokens per
 request after a long plain stretch). A switch that sticks pays that once; an 8-step trial that counted
@@ -81,31 +84,38 @@ class SpecGuard:
         self.tuning = tuning or GuardTuning()
         self._b: dict[int, _Bucket] = {}
 
-    def _preferred(self, b: _Bucket, model: str) -> tuple[str, float]:
+    def _preferred(self, b: _Bucket, model: str, lead: float = 0.0) -> tuple[str, float]:
         """The arm to run outside trials and its measured lead over the other (0 if unknown).
 
         Until both arms are measured: the model's. Then the home arm stays unless the other leads by
         the margin plus z standard errors (every switch into "spec" costs a draft catch-up, so following a
-        model that flips near a tie costs more than either arm)."""
+        model that flips near a tie costs more than either arm), or the model prefers the other arm by more
+        than the margin (`lead`, its predicted relative gain) and measurement does not say it is slower."""
         rs, rp = b.rate["spec"], b.rate["plain"]
         vs, vp = rs.value, rp.value
         if vs is None or vp is None or vs <= 0 or vp <= 0 or b.home is None:
             return model, 0.0
+        t = self.tuning
+        noise = t.z * math.hypot(rs.stderr, rp.stderr)
         current = b.home
+        if model != current and lead > t.margin:
+            vm, vh = (vs, vp) if model == "spec" else (vp, vs)
+            if not vh > vm * (1 + t.margin) + noise:
+                current = model
         other = "plain" if current == "spec" else "spec"
         vc, vo = (vs, vp) if current == "spec" else (vp, vs)
-        t = self.tuning
-        if vo > vc * (1 + t.margin) + t.z * math.hypot(rs.stderr, rp.stderr):
+        if vo > vc * (1 + t.margin) + noise:
             return other, vo / vc - 1
         return current, max(0.0, vc / vo - 1)
 
-    def arm(self, n_decode: int, model: str = "spec") -> str:
-        """The arm to run this step ("spec" or "plain") for this load; `model` is the cost model's choice."""
+    def arm(self, n_decode: int, model: str = "spec", lead: float = 0.0) -> str:
+        """The arm to run this step ("spec" or "plain") for this load; `model` is the cost model's choice and
+        `lead` its predicted relative gain over the other arm."""
         t = self.tuning
         b = self._b.get(load_bucket(n_decode))
         if b is None:
             b = self._b[load_bucket(n_decode)] = _Bucket(t)
-        pref, gap = self._preferred(b, model)
+        pref, gap = self._preferred(b, model, lead)
         if b.trial is None:
             b.home = pref
         if b.left <= 0:

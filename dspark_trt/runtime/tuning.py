@@ -81,6 +81,12 @@ class DriftTuning:
     """Learning rate of the per-size residual relative to the global term. Slower residuals keep the
     overshoot small that a size observed only while the global term catches up would keep."""
 
+    catch_up: int = 5
+    """Observed calls in a row that must each disagree with the corrected table by more than refine_margin,
+    on the same side, before the correction jumps to their median instead of walking there at max_step per
+    call (a profile 3x off would take ~40 calls). 0: never jump. Larger resists a run of slow calls on a
+    busy machine and recovers from a wrong profile later."""
+
     shape_alpha: float = 0.05
     """Weight of one observed target call in the call-shape model's drift (per call width)."""
 
@@ -194,13 +200,11 @@ class RuntimeTuning:
     """Draft steps planned beyond the prior's optimum, so live survivals can ask for more. More headroom
     drafts tokens the solver may not verify."""
 
-    probe_every: int = 8
-    """When drafting does not pay, still draft one token every this many steps, so the survival profile
-    keeps tracking the workload. Smaller tracks sooner and spends more on drafts that are not used."""
-
-    probe_requests: int = 4
-    """Adaptive requests (in turn) that draft in a probe step: enough to track the profile; a draft
-    call's cost grows with its batch."""
+    explore_budget: float = 0.1
+    """While the cost model plans no drafting, the share of step time that scheduled exploration (one draft
+    token a request, verified, every call observed) may spend, per load; it falls as 1/sqrt(1 + explorations)
+    there, to a tenth of this. Larger recovers sooner from a profile too pessimistic about drafting and
+    costs more where drafting truly does not pay; 0: never explore."""
 
     call_test: bool = True
     """Make a further draft call only if its expected surplus pays for its time at the recent output
@@ -337,7 +341,8 @@ def _check(owner, name: str, value) -> str | None:
         return "must be a number"
     if base in _FRACTIONS:
         return None if 0 < value <= 1 else "must be in (0, 1]"
-    if base in ("z", "margin", "guard_tie", "guard_sure", "plan_headroom", "max_verify_tokens"):
+    if base in ("z", "margin", "guard_tie", "guard_sure", "plan_headroom", "max_verify_tokens", "explore_budget",
+                "catch_up"):
         return None if value >= 0 else "must be >= 0"
     if base == "bound_high":
         return None if value >= 1 else "must be >= 1"

@@ -45,7 +45,6 @@ class Drafter:
         self.backend, self.kv, self.tuning = backend, kv, tuning
         self.max_draft, self.max_context, self.max_tokens_per_step = limits
         self.controller, self.correction, self.costs, self.metrics = controller, correction, costs, metrics
-        self._probes = 0
         self._priced_ms = 0.0
         self._timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), fed back after drafting
 
@@ -58,23 +57,9 @@ class Drafter:
 
     def draft(self, batch, depth, cost) -> DraftRound:
         spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
-        if batch.n_adaptive and depth.probing:
-            spec = self.probe_subset(spec)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
         return self.run(spec, depth.steps)
-
-    def probe_subset(self, spec: list[Request]) -> list[Request]:
-        """On a probe step only a few adaptive requests draft (taking turns): a draft call's cost grows
-        with its batch, and a few rows are enough to keep the survival profile current."""
-        n = self.tuning.probe_requests
-        adaptive = sorted((r for r in spec if r.mode.kind == "adaptive"), key=lambda r: r.id)
-        if len(adaptive) <= n:
-            return spec
-        start = (self._probes * n) % len(adaptive)
-        self._probes += 1
-        chosen = {r.id for r in (adaptive + adaptive)[start:start + n]}
-        return [r for r in spec if r.mode.kind != "adaptive" or r.id in chosen]
 
     def run(self, reqs: list[Request], depth: int) -> DraftRound:
         """Catch the draft up, then draft for `reqs` (up to `depth` tokens for adaptive ones)."""
@@ -221,7 +206,7 @@ class Drafter:
         if observe:
             full = (time.perf_counter() - t0) * 1e3
             self._priced_ms += full
-            if self.costs.table is not None and self.metrics.steps % self.tuning.cost_observe_every == 0:
+            if self.costs.table is not None and self.costs.observing:
                 # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a
                 # sizeable share of a small draft call, and the planner must weigh what it really costs.
                 self._timings.append((len(reqs), full))
