@@ -36,11 +36,11 @@ def one_run(artifact, tuning_json: dict, prompts, tokens: int, draft_scale: floa
         rt.cost = scaled_profile(rt.cost, draft_scale).tune(rt.tuning.drift)
         cfg = GenerationConfig(max_new_tokens=tokens, spec=mode, stop_at_eos=False)
         rt.generate(prompts[:2], GenerationConfig(max_new_tokens=8, spec=mode))  # warm the engines' shapes
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         outs = rt.generate(prompts, cfg)
-        s = time.perf_counter() - t
+        s, cpu = time.perf_counter() - t, time.process_time() - c
         n = sum(len(o.token_ids) for o in outs)
-        return {"tok_s": n / s, "tokens": n, "seconds": s,
+        return {"tok_s": n / s, "tok_cpu_s": n / cpu, "tokens": n, "seconds": s, "cpu_seconds": cpu,
                 "tau": statistics.mean(o.stats["tau"] for o in outs),
                 "explorations": rt.depth_planner.exploration.report() if hasattr(rt.depth_planner, "exploration") else None}
     finally:
@@ -75,18 +75,20 @@ def main(argv=None) -> None:
             for name, tuning in order:
                 r = one_run(a.artifact, tuning, pool[:n], a.tokens, a.draft_scale, a.mode)
                 runs.append({"round": rnd, "requests": n, "variant": name, **r})
-                print(f"round {rnd} n={n:>3} {name:>10}: {r['tok_s']:8.1f} tok/s tau {r['tau'] or 0:.2f}", flush=True)
-    print(f"\ndraft scale {a.draft_scale}, {a.tokens} tokens/request, {a.rounds} rounds (median [min-max] tok/s; "
-          f"paired ratio to {variants[0][0]})")
-    for n in counts:
-        base = {r["round"]: r["tok_s"] for r in runs if r["requests"] == n and r["variant"] == variants[0][0]}
-        cells = []
-        for name, _ in variants:
-            xs = [r for r in runs if r["requests"] == n and r["variant"] == name]
-            v = [r["tok_s"] for r in xs]
-            ratio = statistics.median(r["tok_s"] / base[r["round"]] for r in xs)
-            cells.append(f"{name} {statistics.median(v):.0f} [{min(v):.0f}-{max(v):.0f}] x{ratio:.3f}")
-        print(f"n={n:>3}: " + " | ".join(cells))
+                print(f"round {rnd} n={n:>3} {name:>12}: {r['tok_s']:8.1f} tok/s {r['tok_cpu_s']:8.1f} tok/cpu-s "
+                      f"tau {r['tau'] or 0:.2f}", flush=True)
+    for key, unit in (("tok_s", "tok/s of wall time"), ("tok_cpu_s", "tok per CPU-second of the process")):
+        print(f"\ndraft scale {a.draft_scale}, {a.tokens} tokens/request, {a.rounds} rounds: {unit}, median "
+              f"[min-max], and the median over rounds of the ratio to {variants[0][0]} in the same round")
+        for n in counts:
+            base = {r["round"]: r[key] for r in runs if r["requests"] == n and r["variant"] == variants[0][0]}
+            cells = []
+            for name, _ in variants:
+                xs = [r for r in runs if r["requests"] == n and r["variant"] == name]
+                v = [r[key] for r in xs]
+                ratio = statistics.median(r[key] / base[r["round"]] for r in xs)
+                cells.append(f"{name} {statistics.median(v):.0f} [{min(v):.0f}-{max(v):.0f}] x{ratio:.2f}")
+            print(f"n={n:>3}: " + " | ".join(cells))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(runs, f, indent=1)

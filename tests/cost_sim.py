@@ -63,6 +63,16 @@ def simulated(rt, monkeypatch, draft_ms, verify_ms, accept=None) -> CostedEngine
     return engines
 
 
+def generate_all_at_once(rt, prompts, config):
+    """rt.generate, every request queued before the first step (generate submits one at a time, and the
+    worker may step in between; on the simulated clock the runs must not depend on thread timing)."""
+    with rt._lock:  # re-entrant: submit takes it too
+        reqs = [rt.submit(p, config) for p in prompts]
+    for r in reqs:
+        r.done.wait()
+    return [rt.result(r, p) for r, p in zip(reqs, prompts)]
+
+
 def profile_table(draft_ms, verify_ms, max_batch: int, max_tokens: int, rt) -> CostTable:
     """A cost profile (tables only) from cost functions of (rows, tokens): the draft table prices a call of
     b one-token rows, the verify table t tokens in rows of up to max_draft + 1, as the profiler measures."""

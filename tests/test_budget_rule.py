@@ -45,7 +45,7 @@ def _request(rid: int, spec: str) -> Request:
 
 def _random_step(rng, rows: int):
     """Decode rows, some adaptive with 1..K drafts, some without drafts (an off-mode row, or an adaptive
-    row that did not draft this step, as in a probe step)."""
+    row that did not draft this step, e.g. one at its max_new_tokens)."""
     decode, drafts, scheduled = [], {}, []
     for rid in range(rows):
         kind = rng.choice(["drafted", "drafted", "off", "undrafted"])

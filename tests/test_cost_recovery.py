@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from cost_sim import profile_table, simulated
+from cost_sim import generate_all_at_once, profile_table, simulated
 from dspark_trt.runtime import GenerationConfig, Runtime
 from dspark_trt.runtime.tuning import RuntimeTuning
 
@@ -38,7 +38,7 @@ def run(artifact, monkeypatch, profile_draft=true_draft, profile_verify=true_ver
             engines = simulated(rt, mp, draft, verify, accept=ACCEPT)
             rt.cost = profile_table(profile_draft, profile_verify, rt.max_batch, 64, rt)
             start = engines.clock()
-            outs = rt.generate(PROMPTS, GenerationConfig(max_new_tokens=tokens, spec=spec))
+            outs = generate_all_at_once(rt, PROMPTS, GenerationConfig(max_new_tokens=tokens, spec=spec))
             ms = (engines.clock() - start) * 1e3
         return outs, ms, list(rt.metrics.step_log), rt.cost.drift(), rt.depth_planner.exploration.report()
     finally:

@@ -83,7 +83,7 @@ class DepthPlanner:
         if n_decode < 1 or self.guard is None:
             return DepthPlan(steps)
         if steps <= 0 and self.spec_vs_plain < 1 - t.guard_tie:
-            return DepthPlan(0)  # the model is sure drafting does not pay: no trials of it (probes still run)
+            return DepthPlan(0)  # the model is sure drafting does not pay: no trials of it (exploration still runs)
         if steps > 0 and self.spec_vs_plain > 1 + t.guard_sure:
             # The model is sure drafting pays (low load): a trial of plain steps would cost a share of its
             # steps' output for a decision that is not close.
