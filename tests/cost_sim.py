@@ -3,7 +3,7 @@ greedy text are real), timed on a simulated clock by known true costs instead of
 
 ``simulated(rt, monkeypatch, true_draft_ms, true_verify_ms)`` swaps the runtime's engines for ones that
 advance the clock by the true cost of each call and points ``time.perf_counter`` at that clock, so every
-measurement the runtime makes (call timings, step wall time, the guard's rates) reads the true costs and
+measurement the runtime makes (call timings, step wall time) reads the true costs and
 nothing else: no noise, no other tenant, the same result on every machine. A profile that differs from
 the true costs (``profile_table``) is the starting point whose recovery the tests specify.
 """

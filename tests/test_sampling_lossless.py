@@ -60,9 +60,6 @@ def test_speculative_sampling_matches_target_distribution(far_pair, spec):
     # to a quarter of it, where a loaded machine's overhead of drafting steps (up to ~40 ms measured)
     # makes the planner stop drafting, as it should on real costs.
     rt.cost = CostTable(np.r_[0.0, 1000.0 + 0.001 * np.arange(200)], np.linspace(0, 0.01, 17), bounds=(1.0, 1.0))
-    # ... and the measured guard off: on this machine plain steps may really be faster, and this test is
-    # about the speculative path (the guard only ever chooses not to speculate, from past timings).
-    rt.spec_guard = None
     prompt = rt.tokenizer.encode("def fib(n):")
     cfgs = [GenerationConfig(max_new_tokens=4, temperature=TEMPERATURE, spec=spec, seed=s,
                              stop_at_eos=False) for s in range(N_SAMPLES)]

@@ -32,7 +32,6 @@ from dspark_trt.runtime.phases.learn import Learner
 from dspark_trt.runtime.phases.verifier import Verifier
 from dspark_trt.runtime.phases.verify_planner import VerifyPlanner
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.spec_guard import SpecGuard
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 from dspark_trt.runtime.tuning import RuntimeTuning
 
@@ -98,17 +97,16 @@ class Runtime:
         self.survival_correction = (SurvivalCorrection(self.max_draft, c.damping, c.forget, c.max_step, c.bound,
                                                        c.warmup, fit_slope=d.get("confidence") == "fallback")
                                     if c.enabled else None)
-        guard = SpecGuard(t.guard) if t.guard.enabled else None
         self.admission = Admission(self.slots_total, self.max_batch, max_queue, t, self.costs, self.query_len_max,
                                    self.metrics)
-        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, guard)
+        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller)
         self.drafter = Drafter(backend, self.draft_kv, t, (self.max_draft, self.max_context, self.max_tokens_per_step),
                                self.controller, self.survival_correction, self.costs, self.metrics)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
                                  self.costs, self.metrics)
         self.committer = Committer(tokenizer, self.eos_ids, self.max_context, self.metrics, self.admission)
-        self.learner = Learner(self.max_draft, t, self.survival_correction, guard, self.costs, self.metrics,
+        self.learner = Learner(self.max_draft, t, self.survival_correction, self.costs, self.metrics,
                                self.depth_planner.exploration)
         self._lock = self.admission.lock
         self._next_id = 0
@@ -124,15 +122,6 @@ class Runtime:
     @cost.setter
     def cost(self, table) -> None:
         self.costs.table = table
-
-    @property
-    def spec_guard(self) -> SpecGuard | None:
-        """The measured guard on speculating at all (spec_guard.py); None: the cost model decides alone."""
-        return self.depth_planner.guard
-
-    @spec_guard.setter
-    def spec_guard(self, guard: SpecGuard | None) -> None:
-        self.depth_planner.guard = self.learner.guard = guard
 
     @property
     def slots(self) -> list:

@@ -4,8 +4,7 @@ From the running survival profile (which does not depend on this step's drafts) 
 (solver.best_draft_depth); one step of headroom lets live survivals ask for more. A plan is reused per
 batch shape for a few steps (the profile moves slowly). When no drafting pays, nothing is drafted but
 scheduled exploration (exploration.py) drafts one token now and then, within a budget, so a cost model
-or a survival profile that is wrong about drafting is shown wrong. Near a tie the measured guard
-(spec_guard.py) has the last word.
+or a survival profile that is wrong about drafting is shown wrong.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ import numpy as np
 
 from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 from dspark_trt.runtime.solver import best_draft_depth
-from dspark_trt.runtime.spec_guard import SpecGuard
 
 __all__ = ["DepthPlan", "DepthPlanner"]
 
@@ -25,7 +23,6 @@ class DepthPlan(NamedTuple):
     """The draft depth of one step."""
 
     steps: int  # draft steps adaptive requests get this step
-    arm: str | None = None  # the guard's arm this step ("spec" | "plain"; None: the guard was not consulted)
     exploring: bool = False  # this step's drafting is scheduled exploration (the model plans none)
     explore_ms: float = 0.0  # an exploring step's modelled extra ms over a plain step
     plain_ms: float = 0.0  # an exploring step's modelled ms without drafting
@@ -36,7 +33,6 @@ class _CachedPlan(NamedTuple):
     """A cached draft-depth plan of one batch shape."""
 
     depth: int  # best draft depth by the cost model
-    spec_vs_plain: float  # its best drafting rate over its plain rate
     steps_left: int  # steps it is used for before it is made again
     plain_ms: float  # modelled ms of a step without drafting
     explore_ms: float  # modelled extra ms of an exploring step (one draft call, verify one more token a row)
@@ -45,9 +41,8 @@ class _CachedPlan(NamedTuple):
 class DepthPlanner:
     """Call order: ``plan(batch, cost)`` once per step (``plan_for`` with explicit counts)."""
 
-    def __init__(self, max_draft: int, tuning, controller, guard: SpecGuard | None):
-        self.max_draft, self.tuning, self.controller, self.guard = max_draft, tuning, controller, guard
-        self.spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
+    def __init__(self, max_draft: int, tuning, controller):
+        self.max_draft, self.tuning, self.controller = max_draft, tuning, controller
         self._cache: dict[tuple[int, int], _CachedPlan] = {}
         self.exploration = ExplorationSchedule(tuning.explore_budget)
 
@@ -64,7 +59,7 @@ class DepthPlanner:
         cached = self._cache.get(key)
         if cached is None or cached.steps_left <= 0:
             cached = self._best(n_adaptive, n_decode, cost)
-        best, self.spec_vs_plain = cached.depth, cached.spec_vs_plain
+        best = cached.depth
         self._cache[key] = cached._replace(steps_left=cached.steps_left - 1)
         if best == 0:
             # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
@@ -72,36 +67,16 @@ class DepthPlanner:
             charged = self.exploration.due(n_decode, cached.plain_ms, cached.explore_ms)
             if charged is not None:
                 self._cache.pop(key)
-                return DepthPlan(1, None, True, cached.explore_ms, cached.plain_ms, charged)
-            return self._guarded(0, n_decode)
-        return self._guarded(min(self.max_draft, best + self.tuning.plan_headroom), n_decode)
-
-    def _guarded(self, steps: int, n_decode: int) -> DepthPlan:
-        """The model's draft depth, unless measurement says the other arm is faster at this load: no
-        drafting where the model would draft, or the smallest planned depth where it would not."""
-        t = self.tuning
-        if n_decode < 1 or self.guard is None:
-            return DepthPlan(steps)
-        if steps <= 0 and self.spec_vs_plain < 1 - t.guard_tie:
-            return DepthPlan(0)  # the model is sure drafting does not pay: no trials of it (exploration still runs)
-        if steps > 0 and self.spec_vs_plain > 1 + t.guard_sure:
-            # The model is sure drafting pays (low load): a trial of plain steps would cost a share of its
-            # steps' output for a decision that is not close.
-            return DepthPlan(steps)
-        ratio = self.spec_vs_plain
-        lead = ratio - 1 if steps > 0 else (1 / ratio - 1 if ratio > 0 else 0.0)
-        arm = self.guard.arm(n_decode, "spec" if steps > 0 else "plain", lead)
-        if arm == "plain":
-            return DepthPlan(0, arm)
-        return DepthPlan(steps if steps > 0 else min(self.max_draft, 1 + t.plan_headroom), arm)
+                return DepthPlan(1, True, cached.explore_ms, cached.plain_ms, charged)
+            return DepthPlan(0)
+        return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
 
     def _best(self, n_adaptive: int, n_decode: int, cost) -> _CachedPlan:
-        """The model's plan: best draft depth, its drafting rate over the plain rate, and what a plain and
-        an exploring step cost."""
+        """The model's plan: best draft depth, and what a plain and an exploring step cost."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
-        depth, ratio = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
+        depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
         plain_ms = plain + float(verify[0])
         explore_ms = spec + draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
-        return _CachedPlan(depth, ratio, self.tuning.plan_every, plain_ms, explore_ms)
+        return _CachedPlan(depth, self.tuning.plan_every, plain_ms, explore_ms)

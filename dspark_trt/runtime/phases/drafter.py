@@ -152,7 +152,7 @@ class Drafter:
             engine_ms += ms
             # New prompts must reach the draft in any drafting regime: that share of the call stays in the
             # step overhead the planner charges to drafting. Requests that decoded a while without drafting
-            # are the price of switching into drafting, which the guard measures, not the steady state the
+            # are the price of switching into drafting, paid once, not the steady state the
             # planner models.
             switch = sum(c for r, c in group if r.stats.steps > 1)
             switch_ms += (time.perf_counter() - t) * 1e3 * switch / sum(c for _, c in group)
