@@ -45,7 +45,7 @@ def _request(rid: int, spec: str) -> Request:
 
 def _random_step(rng, rows: int):
     """Decode rows, some adaptive with 1..K drafts, some without drafts (an off-mode row, or an adaptive
-    row that did not draft this step, as in a probe step)."""
+    row that did not draft this step, e.g. one at its max_new_tokens)."""
     decode, drafts, scheduled = [], {}, []
     for rid in range(rows):
         kind = rng.choice(["drafted", "drafted", "off", "undrafted"])
@@ -150,7 +150,7 @@ def test_the_draft_depth_counts_every_decode_row_too():
     costs.table = CostTable(np.concatenate([[0.0], 10.0 + np.arange(1, 60, dtype=float)]),
                             np.concatenate([[0.0], np.full(9, 2.5)]))
     tuning = replace(RuntimeTuning(), plan_headroom=0)
-    planner = DepthPlanner(K, tuning, AdaptiveController(), None)
+    planner = DepthPlanner(K, tuning, AdaptiveController())
     got = planner.plan_for(n_adaptive, n_decode, costs.for_step(n_decode, 0)).steps
     prof = RuntimeTuning.prior_acceptance ** np.arange(1, K + 1)
     cum = np.concatenate([[0.0], np.cumsum(prof)])

@@ -256,3 +256,29 @@ def test_profile_points_shows_progress_and_rejects_nonsense_timings():
     assert sorted(verify) == [1, 2, 3, 4]
     with pytest.raises(ValueError, match=r"measure_draft\(1\) returned"):
         profile_points(linear_verify, lambda b: float("nan"), 4, 2, repeats=1, progress=False)
+
+
+def test_a_profile_3x_off_is_replaced_after_a_few_calls_that_all_disagree():
+    """Walking towards a 3x error at max_step per call would take ~40 calls; catch_up calls in a row that
+    each disagree by more than refine_margin on the same side move the table to their median at once."""
+    from dspark_trt.runtime.tuning import DriftTuning
+
+    n = DriftTuning().catch_up
+    table = make_table().tune(DriftTuning())
+    for i in range(n):
+        table.observe_draft(16, linear_draft(16) / 3)
+        if i < n - 1:
+            assert table.drift()["draft"]["global"] > 0.8  # bounded steps until the streak is complete
+    assert table.draft_ms(16) == pytest.approx(linear_draft(16) / 3, rel=0.05)
+    assert table.draft_ms(48) == pytest.approx(linear_draft(48) / 3, rel=0.05)
+
+
+def test_a_run_of_calls_broken_by_one_agreeing_call_does_not_jump():
+    from dspark_trt.runtime.tuning import DriftTuning
+
+    n = DriftTuning().catch_up
+    table = make_table().tune(DriftTuning())
+    for i in range(4 * n):
+        slow = i % n != n - 1  # every n-th call agrees with the profile
+        table.observe_verify(64, (2.0 if slow else 1.0) * linear_verify(64))
+    assert table.drift()["verify"]["global"] < 1.0 + 4 * n * 0.03

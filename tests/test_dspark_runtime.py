@@ -27,10 +27,9 @@ def artifact(request, tmp_path_factory):
 
 def speculating_runtime(art) -> Runtime:
     """Verified tokens and draft calls nearly free next to a step's fixed cost, so adaptive speculates and
-    accept/reject paths run; the measured guard off (this test is about the speculative path)."""
+    accept/reject paths run."""
     rt = Runtime.load(art, profile="none")
     rt.cost = CostTable(np.r_[0.0, 1000.0 + 0.001 * np.arange(200)], np.linspace(0, 0.01, 17), bounds=(1.0, 1.0))
-    rt.spec_guard = None
     return rt
 
 

@@ -25,7 +25,6 @@ from dspark_trt.runtime.phases.drafter import Draft, DraftRound
 from dspark_trt.runtime.phases.verifier import VerifyResult
 from dspark_trt.runtime.phases.verify_planner import VerifyPlanner
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.spec_guard import SpecGuard
 from dspark_trt.runtime.tuning import RuntimeTuning
 
 K = 4
@@ -75,8 +74,8 @@ def test_admission_finishes_cancelled_requests_and_bounds_the_queue():
 
 # -------------------------------------------------------------------------------------- depth planner
 
-def depth_planner(tuning=RuntimeTuning(), guard=None):
-    return DepthPlanner(K, tuning, AdaptiveController(), guard)
+def depth_planner(tuning=RuntimeTuning()):
+    return DepthPlanner(K, tuning, AdaptiveController())
 
 
 def test_without_a_cost_profile_adaptive_requests_may_draft_to_the_limit():
@@ -85,12 +84,11 @@ def test_without_a_cost_profile_adaptive_requests_may_draft_to_the_limit():
     assert depth_planner().plan(batch, costs.for_step(2, 0)).steps == K
 
 
-def test_where_the_model_is_sure_drafting_pays_the_guard_is_not_asked():
+def test_where_drafting_pays_the_model_plans_its_best_depth_plus_headroom():
     costs = Costs(64, K)
     costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))
-    guard = SpecGuard()
-    plan = depth_planner(guard=guard).plan_for(4, 4, costs.for_step(4, 0))
-    assert plan.steps > 0 and plan.arm is None and not plan.probing and not guard.report()
+    plan = depth_planner().plan_for(4, 4, costs.for_step(4, 0))
+    assert plan.steps > 0 and not plan.exploring
     headroom = depth_planner(replace(RuntimeTuning(), plan_headroom=0)).plan_for(4, 4, costs.for_step(4, 0))
     assert headroom.steps == plan.steps - 1 or plan.steps == K
 

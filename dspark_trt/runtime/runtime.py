@@ -32,7 +32,6 @@ from dspark_trt.runtime.phases.learn import Learner
 from dspark_trt.runtime.phases.verifier import Verifier
 from dspark_trt.runtime.phases.verify_planner import VerifyPlanner
 from dspark_trt.runtime.request import Request
-from dspark_trt.runtime.spec_guard import SpecGuard
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 from dspark_trt.runtime.tuning import RuntimeTuning
 
@@ -97,18 +96,18 @@ class Runtime:
         self.survival_correction = (SurvivalCorrection(self.max_draft, c.damping, c.forget, c.max_step, c.bound,
                                                        c.warmup, fit_slope=d.get("confidence") == "fallback")
                                     if c.enabled else None)
-        guard = SpecGuard(t.guard) if t.guard.enabled else None
         self.admission = Admission(self.slots_total, self.max_batch, max_queue, t, self.costs, self.query_len_max,
                                    self.metrics)
         self.drafter_kind = d.get("kind", "classic")
         self.draft_kv = None  # the classic draft's KV cache (a DSpark drafter keeps its own context cache)
         self.drafter = self._make_drafter(make_cache, kv_dtype)
-        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, guard, sequential=self.drafter.sequential)
+        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, sequential=self.drafter.sequential)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
                                  self.costs, self.metrics)
         self.committer = Committer(tokenizer, self.eos_ids, self.max_context, self.metrics, self.admission)
-        self.learner = Learner(self.max_draft, t, self.survival_correction, guard, self.costs, self.metrics)
+        self.learner = Learner(self.max_draft, t, self.survival_correction, self.costs, self.metrics,
+                               self.depth_planner.exploration)
         self._lock = self.admission.lock
         self._next_id = 0
         self._worker: threading.Thread | None = None
@@ -147,15 +146,6 @@ class Runtime:
     def draft_limit(self) -> str | None:
         """What bounds fixed:K, for the refusal of a larger K (None: the artifact's max draft length)."""
         return self.drafter.spec_limit
-
-    @property
-    def spec_guard(self) -> SpecGuard | None:
-        """The measured guard on speculating at all (spec_guard.py); None: the cost model decides alone."""
-        return self.depth_planner.guard
-
-    @spec_guard.setter
-    def spec_guard(self, guard: SpecGuard | None) -> None:
-        self.depth_planner.guard = self.learner.guard = guard
 
     @property
     def slots(self) -> list:
@@ -362,8 +352,10 @@ class Runtime:
             return False
         cost = self.costs.for_step(len(batch.decode), batch.past)
         depth = self.depth_planner.plan(batch, cost)
+        # One step in cost_observe_every feeds the tables, and every exploring step: it exists to be seen.
+        self.costs.observing = depth.exploring or self.metrics.steps % self.tuning.cost_observe_every == 0
         drafted = self.drafter.draft(batch, depth, cost)  # -> Draft named tuples, read by name
-        plan = self.verify_planner.plan(batch, drafted, cost)
+        plan = self.verify_planner.plan(batch, drafted, cost, depth.exploring)
         result = self.verifier.run(batch, drafted, plan)
         if result is None:
             return True

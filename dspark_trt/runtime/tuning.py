@@ -18,46 +18,7 @@ from pathlib import Path
 
 from dspark_trt.errors import DsparkError
 
-__all__ = ["CorrectionTuning", "DriftTuning", "GuardTuning", "ProfileTuning", "RuntimeTuning", "tuning_markdown"]
-
-
-@dataclass(frozen=True)
-class GuardTuning:
-    """The measured guard on speculating at all (spec_guard.py)."""
-
-    enabled: bool = True
-    """Let measured rates overrule the cost model near a tie. Off: the model alone decides whether to
-    draft, with no trials of the other arm (no trial cost, no protection from a wrong model)."""
-
-    trial_len: int = 8
-    """Steps of one trial of the arm the guard is not running. Longer trials measure the other arm
-    better and cost more output when it is the slower one."""
-
-    min_every: int = 48
-    """Fewest steps between trials, however close the arms are: bounds the share of steps spent on
-    trials of the slower arm."""
-
-    max_every: int = 1000
-    """Most steps between trials, however far apart the arms are: bounds how long a change of the
-    workload can go unnoticed."""
-
-    first: int = 16
-    """Steps of the model's arm before the first trial of the other in a new load bucket."""
-
-    loss_budget: float = 0.01
-    """Expected share of output the trials may cost; trial spacing grows with the measured gap to keep
-    to it. Smaller: fewer trials, slower to notice a change."""
-
-    margin: float = 0.03
-    """How much faster the other arm must be to take over. Switching into drafting costs a draft
-    catch-up, so following a model that flips near a tie costs more than either arm."""
-
-    z: float = 2.0
-    """Standard errors of the rate difference added to the margin. At 16 requests one step's output is
-    noisy enough that one standard error flipped the guard to plain decoding for whole runs."""
-
-    alpha: float = 0.05
-    """Weight of one step in an arm's running sums (~1/alpha steps of memory, across trials)."""
+__all__ = ["CorrectionTuning", "DriftTuning", "ProfileTuning", "RuntimeTuning", "tuning_markdown"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +41,12 @@ class DriftTuning:
     residual_rate: float = 0.25
     """Learning rate of the per-size residual relative to the global term. Slower residuals keep the
     overshoot small that a size observed only while the global term catches up would keep."""
+
+    catch_up: int = 5
+    """Observed calls in a row that must each disagree with the corrected table by more than refine_margin,
+    on the same side, before the correction jumps to their median instead of walking there at max_step per
+    call (a profile 3x off would take ~40 calls). 0: never jump. Larger resists a run of slow calls on a
+    busy machine and recovers from a wrong profile later."""
 
     shape_alpha: float = 0.05
     """Weight of one observed target call in the call-shape model's drift (per call width)."""
@@ -194,13 +161,11 @@ class RuntimeTuning:
     """Draft steps planned beyond the prior's optimum, so live survivals can ask for more. More headroom
     drafts tokens the solver may not verify."""
 
-    probe_every: int = 8
-    """When drafting does not pay, still draft one token every this many steps, so the survival profile
-    keeps tracking the workload. Smaller tracks sooner and spends more on drafts that are not used."""
-
-    probe_requests: int = 4
-    """Adaptive requests (in turn) that draft in a probe step: enough to track the profile; a draft
-    call's cost grows with its batch."""
+    explore_budget: float = 0.1
+    """While the cost model plans no drafting, the share of step time that scheduled exploration (one draft
+    token a request, verified, every call observed) may spend, per load; it falls as 1/sqrt(1 + explorations)
+    there, to a tenth of this. Larger recovers sooner from a profile too pessimistic about drafting and
+    costs more where drafting truly does not pay; 0: never explore."""
 
     call_test: bool = True
     """Make a further draft call only if its expected surplus pays for its time at the recent output
@@ -209,13 +174,6 @@ class RuntimeTuning:
     stop_factor: float = 1.0
     """Keep drafting while the next survival is predicted above this times the last break-even
     survival. Larger stops drafting earlier (fewer wasted drafts, fewer chances)."""
-
-    guard_tie: float = 0.2
-    """Where the model says drafting loses by less than this fraction, the measured guard decides."""
-
-    guard_sure: float = 0.25
-    """Where the model says drafting wins by more than this fraction, no trials of plain decoding run:
-    a trial would cost a share of its steps' output for a decision that is not close."""
 
     break_even_span: int = 4
     """Fewest verified tokens the break-even survival averages the marginal cost over (the runtime spans
@@ -249,9 +207,6 @@ class RuntimeTuning:
 
     prior_decay: float = 1 / 256
     """Weight of one request's step in the running survival profile (~1/prior_decay rows of memory)."""
-
-    guard: GuardTuning = field(default_factory=GuardTuning)
-    """The measured guard on speculating at all."""
 
     drift: DriftTuning = field(default_factory=DriftTuning)
     """Online drift correction of the cost tables."""
@@ -296,8 +251,8 @@ class RuntimeTuning:
         return dataclasses.asdict(self)
 
 
-_SUBS = {"guard": GuardTuning, "drift": DriftTuning, "correction": CorrectionTuning, "profile": ProfileTuning}
-_FRACTIONS = {"alpha", "loss_budget", "forget", "rate_alpha", "arrivals_alpha", "overhead_alpha",
+_SUBS = {"drift": DriftTuning, "correction": CorrectionTuning, "profile": ProfileTuning}
+_FRACTIONS = {"alpha", "forget", "rate_alpha", "arrivals_alpha", "overhead_alpha",
               "prior_acceptance", "prior_decay", "residual_rate", "shape_alpha", "bound_low"}
 
 
@@ -337,7 +292,7 @@ def _check(owner, name: str, value) -> str | None:
         return "must be a number"
     if base in _FRACTIONS:
         return None if 0 < value <= 1 else "must be in (0, 1]"
-    if base in ("z", "margin", "guard_tie", "guard_sure", "plan_headroom", "max_verify_tokens"):
+    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up"):
         return None if value >= 0 else "must be >= 0"
     if base == "bound_high":
         return None if value >= 1 else "must be >= 1"
@@ -366,8 +321,8 @@ def tuning_markdown() -> str:
     out = ["# Runtime tuning", "",
            "Generated from `dspark_trt/runtime/tuning.py` by `python scripts/tuning_doc.py`;",
            "a test fails when this file is stale. Pass `Runtime.load(..., tuning=RuntimeTuning(...))` or",
-           "`RuntimeTuning.from_json(path)`; nested groups as JSON objects (`{\"guard\": {\"margin\": 0.05}}`).", ""]
-    for cls, title in ((RuntimeTuning, "RuntimeTuning"), (GuardTuning, "guard"), (DriftTuning, "drift"),
+           "`RuntimeTuning.from_json(path)`; nested groups as JSON objects (`{\"drift\": {\"catch_up\": 8}}`).", ""]
+    for cls, title in ((RuntimeTuning, "RuntimeTuning"), (DriftTuning, "drift"),
                        (CorrectionTuning, "correction"), (ProfileTuning, "profile")):
         out += [f"## {title}", "", " ".join(cls.__doc__.split()), "", "| field | default | what it trades off |",
                 "|---|---|---|"]

@@ -6,7 +6,7 @@ more tokens per step), and a drafting step pays more of it (the draft loop, the 
 bookkeeping), which the draft-depth planner must charge to drafting at all. The priced calls (every
 drafting and target call, feeds and KV writes included: what the cost tables learn) are left out, or
 the planner would charge their packing twice; so is the draft catching up on text generated while it
-did not draft (a cost of switching, which the guard measures).
+did not draft (a cost of switching, paid once).
 
 Kept per load (decode requests, to the nearest power of two): most of it is per-request work, so a
 figure learned at 64 requests (or in a warm-up) says little about 4, and one shared figure made drafting
@@ -24,7 +24,7 @@ __all__ = ["OverheadByLoad", "load_bucket"]
 
 def load_bucket(n: int) -> int:
     """A count of rows or requests to the nearest power of two, as its exponent: the load buckets of the
-    guard, of the step overhead and of the call-shape drift."""
+    step overhead, of exploration and of the call-shape drift."""
     return int(round(math.log2(max(1, n))))
 
 

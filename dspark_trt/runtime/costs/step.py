@@ -28,6 +28,7 @@ class Costs:
         self.rate = 0.0  # recent output tokens per ms of step time (EW)
         self.tau_row = 0.0  # recent tokens a decoding request emits per step (EW)
         self.break_even = 0.0  # break-even (corrected) survival of the last solve
+        self.observing = True  # this step's drafting and target calls are fed to the tables (Runtime.step)
         self._even_grid: dict = {}  # see StepCost.verify_table
 
     @property

@@ -21,7 +21,10 @@ The correction is an exponentially weighted log-ratio observed/profiled: a globa
 observation; a uniform slowdown seen at any sizes shifts the whole curve) plus a per-size residual
 (per power-of-two bucket, interpolated in log-size between observed buckets: size-specific drift).
 Each observation moves a prediction by at most a factor ``exp(max_step)`` (one 10x outlier cannot
-wreck the table) and the factor stays within ``bounds``. The factor curve is multiplied onto the
+wreck the table) and the factor stays within ``bounds``; only when ``catch_up`` observations in a row
+each disagree with the table by more than ``refine_margin`` on the same side does the global term jump
+to their median (a profile that is simply wrong, e.g. measured on a busy machine, is replaced after a
+few calls instead of ~40). The factor curve is multiplied onto the
 profiled table and followed by a running max, which keeps the corrected table non-decreasing whatever
 the factors are (and raises no entry by more than the largest factor).
 """
@@ -137,7 +140,8 @@ class _Drift:
     NBUCKETS = 48
 
     def __init__(self, alpha: float, max_step: float, bounds: tuple[float, float],
-                 residual_rate: float = _D.residual_rate):
+                 residual_rate: float = _D.residual_rate, catch_up: int = _D.catch_up,
+                 catch_up_margin: float = _D.refine_margin):
         # The residual learns slower than the global term (residual_rate < 1): while the global term is
         # still catching up with a uniform change, every residual sees part of that change, and a size
         # observed only then would keep the excess (an overshoot) until it is observed again. Slower
@@ -152,6 +156,7 @@ class _Drift:
             raise ValueError(f"drift bounds must satisfy 0 < lo <= 1 <= hi; got {bounds}")
         self.alpha, self.half_step = float(alpha), float(max_step) / 2
         self.log_lo, self.log_hi = math.log(lo), math.log(hi)
+        self.catch_up, self.catch_up_band = int(catch_up), math.log1p(catch_up_margin)
         self.reset()
 
     def reset(self) -> None:
@@ -159,6 +164,8 @@ class _Drift:
         self.g = 0.0  # global log factor
         self.h = np.zeros(self.NBUCKETS)  # per-bucket residual log factor
         self.n = np.zeros(self.NBUCKETS, dtype=np.int64)
+        self._streak: list[float] = []  # global log factors the latest observations asked for, all far on one side
+        self.agreed = True  # the latest observation was within the catch-up band of the correction
 
     @property
     def active(self) -> bool:
@@ -180,10 +187,34 @@ class _Drift:
         b = min(max(int(round(math.log2(x))), 0), self.NBUCKETS - 1)
         if self.n[b] == 0:  # start from what the neighbours say, so a newly seen size does not jump
             self.h[b] = float(self._residual(float(b)))
-        self.g = min(max(self._step(self.g, log_ratio, self.alpha), self.log_lo), self.log_hi)
+        if not self._caught_up(log_ratio - float(self._residual(float(b)))):
+            self.g = min(max(self._step(self.g, log_ratio, self.alpha), self.log_lo), self.log_hi)
         h = self._step(self.h[b], log_ratio - self.g, self.alpha * self.residual_rate)
         self.h[b] = min(max(h, self.log_lo - self.g), self.log_hi - self.g)
         self.n[b] += 1
+
+    def _caught_up(self, wanted: float) -> bool:
+        """Jump the global term to the median of what the last `catch_up` observations asked for when each
+        of them disagreed with it, at its arrival, by more than the band and on the same side: a profile
+        that is simply wrong (measured on a busy machine, or 3x off) is replaced after a few calls instead
+        of being walked towards at max_step per call. One outlier cannot trigger it, and noise scattered
+        around the truth breaks the streak."""
+        if self.catch_up <= 0:
+            return False
+        gap = wanted - self.g
+        streak = self._streak
+        self.agreed = abs(gap) <= self.catch_up_band
+        if self.agreed:
+            streak.clear()
+            return False
+        if streak and (streak[-1] > self.g) != (gap > 0):
+            streak.clear()
+        streak.append(wanted)
+        if len(streak) < self.catch_up:
+            return False
+        self.g = min(max(float(np.median(streak)), self.log_lo), self.log_hi)
+        streak.clear()
+        return True
 
     def report(self) -> dict:
         seen = np.flatnonzero(self.n)
@@ -248,8 +279,8 @@ class CostTable:
     def tune(self, drift) -> "CostTable":
         """Apply a DriftTuning (runtime/tuning.py) to the drift correction; observations so far are reset."""
         bounds = (drift.bound_low, drift.bound_high)
-        self._drift = {name: _Drift(drift.alpha, drift.max_step, bounds, drift.residual_rate)
-                       for name in ("verify", "draft")}
+        self._drift = {name: _Drift(drift.alpha, drift.max_step, bounds, drift.residual_rate, drift.catch_up,
+                                    drift.refine_margin) for name in ("verify", "draft")}
         self._cache.clear()
         if self.call_shape is not None:
             self.call_shape.alpha = drift.shape_alpha
@@ -331,6 +362,10 @@ class CostTable:
     def observe_draft(self, batch: int, ms: float) -> bool:
         """Feed back a measured draft step; returns False (and ignores it) if unusable."""
         return self._observe("draft", batch, ms)
+
+    def agreed(self, name: str) -> bool:
+        """Whether the latest observed "verify" or "draft" call came within refine_margin of the table."""
+        return self._drift[name].agreed
 
     def drift(self) -> dict[str, dict]:
         """Current correction factors (predicted = profiled x factor), for "verify" and "draft":

@@ -2,9 +2,9 @@
 
 From the running survival profile (which does not depend on this step's drafts) and the step's costs
 (solver.best_draft_depth); one step of headroom lets live survivals ask for more. A plan is reused per
-batch shape for a few steps (the profile moves slowly). When no drafting pays, nothing is drafted but a
-probe now and then keeps the profile tracking the workload. Near a tie the measured guard
-(spec_guard.py) has the last word.
+batch shape for a few steps (the profile moves slowly). When no drafting pays, nothing is drafted but
+scheduled exploration (exploration.py) drafts one token now and then, within a budget, so a cost model
+or a survival profile that is wrong about drafting is shown wrong.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 from dspark_trt.runtime.solver import best_draft_depth
-from dspark_trt.runtime.spec_guard import SpecGuard
 
 __all__ = ["DepthPlan", "DepthPlanner"]
 
@@ -23,28 +23,30 @@ class DepthPlan(NamedTuple):
     """The draft depth of one step."""
 
     steps: int  # draft steps adaptive requests get this step
-    arm: str | None = None  # the guard's arm this step ("spec" | "plain"; None: the guard was not consulted)
-    probing: bool = False  # this step's drafting is a probe (drafting did not pay)
+    exploring: bool = False  # this step's drafting is scheduled exploration (the model plans none)
+    explore_ms: float = 0.0  # an exploring step's modelled extra ms over a plain step
+    plain_ms: float = 0.0  # an exploring step's modelled ms without drafting
+    charged_ms: float = 0.0  # what the exploration schedule charged for it (its catch-up included)
 
 
 class _CachedPlan(NamedTuple):
     """A cached draft-depth plan of one batch shape."""
 
     depth: int  # best draft depth by the cost model
-    spec_vs_plain: float  # its best drafting rate over its plain rate
     steps_left: int  # steps it is used for before it is made again
+    plain_ms: float  # modelled ms of a step without drafting
+    explore_ms: float  # modelled extra ms of an exploring step (one draft call, verify one more token a row)
 
 
 class DepthPlanner:
     """Call order: ``plan(batch, cost)`` once per step (``plan_for`` with explicit counts)."""
 
-    def __init__(self, max_draft: int, tuning, controller, guard: SpecGuard | None, sequential: bool = True):
+    def __init__(self, max_draft: int, tuning, controller, sequential: bool = True):
         """sequential: a depth of j costs j draft calls (classic drafter); else one call at any depth (DSpark)."""
-        self.max_draft, self.tuning, self.controller, self.guard = max_draft, tuning, controller, guard
+        self.max_draft, self.tuning, self.controller = max_draft, tuning, controller
         self.sequential = sequential
-        self.spec_vs_plain = 1.0  # the model's best drafting rate over its plain rate, at the last plan
         self._cache: dict[tuple[int, int], _CachedPlan] = {}
-        self._since_probe = 0
+        self.exploration = ExplorationSchedule(tuning.explore_budget)
 
     def plan(self, batch, cost) -> DepthPlan:
         if not batch.n_adaptive:
@@ -58,42 +60,28 @@ class DepthPlanner:
         key = (n_adaptive, n_decode)
         cached = self._cache.get(key)
         if cached is None or cached.steps_left <= 0:
-            cached = _CachedPlan(*self._best(n_adaptive, n_decode, cost), self.tuning.plan_every)
-        best, self.spec_vs_plain = cached.depth, cached.spec_vs_plain
+            cached = self._best(n_adaptive, n_decode, cost)
+        best = cached.depth
         self._cache[key] = cached._replace(steps_left=cached.steps_left - 1)
         if best == 0:
-            # A probe is one step, not a plan: the plan stays "no drafting" between probes.
-            self._since_probe += 1
-            if self._since_probe >= self.tuning.probe_every:
-                self._since_probe = 0
-                return DepthPlan(1, None, True)
-            return self._guarded(0, n_decode)
-        self._since_probe = 0
-        return self._guarded(min(self.max_draft, best + self.tuning.plan_headroom), n_decode)
+            # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
+            # plan (at most plan_every steps on) reads what it observed.
+            charged = self.exploration.due(n_decode, cached.plain_ms, cached.explore_ms)
+            if charged is not None:
+                self._cache.pop(key)
+                return DepthPlan(1, True, cached.explore_ms, cached.plain_ms, charged)
+            return DepthPlan(0)
+        return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
 
-    def _guarded(self, steps: int, n_decode: int) -> DepthPlan:
-        """The model's draft depth, unless measurement says the other arm is faster at this load: no
-        drafting where the model would draft, or the smallest planned depth where it would not."""
-        t = self.tuning
-        if n_decode < 1 or self.guard is None:
-            return DepthPlan(steps)
-        if steps <= 0 and self.spec_vs_plain < 1 - t.guard_tie:
-            return DepthPlan(0)  # the model is sure drafting does not pay: no trials of it (probes still run)
-        if steps > 0 and self.spec_vs_plain > 1 + t.guard_sure:
-            # The model is sure drafting pays (low load): a trial of plain steps would cost a share of its
-            # steps' output for a decision that is not close.
-            return DepthPlan(steps)
-        arm = self.guard.arm(n_decode, "spec" if steps > 0 else "plain")
-        if arm == "plain":
-            return DepthPlan(0, arm)
-        return DepthPlan(steps if steps > 0 else min(self.max_draft, 1 + t.plan_headroom), arm)
-
-    def _best(self, n_adaptive: int, n_decode: int, cost) -> tuple[int, float]:
-        """(best draft depth by the model, its best drafting rate over its plain rate)."""
+    def _best(self, n_adaptive: int, n_decode: int, cost) -> _CachedPlan:
+        """The model's plan: best draft depth, and what a plain and an exploring step cost."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
-        draft_ms, spec_ms = float(cost.table.draft_ms(n_adaptive)), cost.overhead("spec")
+        draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
+        explore_draft_ms = draft_ms
         if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
-            draft_ms, spec_ms = 0.0, spec_ms + draft_ms
-        return best_draft_depth(prof, n_adaptive, verify, draft_ms, cost.overhead("plain"), spec_ms,
-                                others=n_decode - n_adaptive)
+            draft_ms, spec = 0.0, spec + draft_ms
+        depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
+        plain_ms = plain + float(verify[0])
+        explore_ms = cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
+        return _CachedPlan(depth, self.tuning.plan_every, plain_ms, explore_ms)

@@ -17,7 +17,7 @@ from dspark_trt.runtime.batch import pack_queries, token_slots
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
-__all__ = ["Draft", "DraftRound", "Drafter", "probe_turn"]
+__all__ = ["Draft", "DraftRound", "Drafter"]
 
 
 class Draft(NamedTuple):
@@ -38,18 +38,6 @@ class DraftRound(NamedTuple):
     switch_ms: float  # time feeding the draft text generated while it did not draft (a switch's cost)
 
 
-def probe_turn(spec: list[Request], n: int, turn: int) -> tuple[list[Request], int]:
-    """On a probe step only a few adaptive requests draft (taking turns): a draft call's cost grows
-    with its batch, and a few rows are enough to keep the survival profile current. Returns the
-    requests that draft and the next turn."""
-    adaptive = sorted((r for r in spec if r.mode.kind == "adaptive"), key=lambda r: r.id)
-    if len(adaptive) <= n:
-        return spec, turn
-    start = (turn * n) % len(adaptive)
-    chosen = {r.id for r in (adaptive + adaptive)[start:start + n]}
-    return [r for r in spec if r.mode.kind != "adaptive" or r.id in chosen], turn + 1
-
-
 class Drafter:
     """The classic autoregressive draft: one engine call per drafted position.
 
@@ -64,7 +52,6 @@ class Drafter:
         self.backend, self.kv, self.tuning = backend, kv, tuning
         self.max_draft, self.max_context, self.max_tokens_per_step = limits
         self.controller, self.correction, self.costs, self.metrics = controller, correction, costs, metrics
-        self._probes = 0
         self._priced_ms = 0.0
         self._timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), fed back after drafting
 
@@ -77,15 +64,9 @@ class Drafter:
 
     def draft(self, batch, depth, cost) -> DraftRound:
         spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
-        if batch.n_adaptive and depth.probing:
-            spec = self.probe_subset(spec)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
         return self.run(spec, depth.steps)
-
-    def probe_subset(self, spec: list[Request]) -> list[Request]:
-        out, self._probes = probe_turn(spec, self.tuning.probe_requests, self._probes)
-        return out
 
     def observe(self, batch, result) -> None:
         """After commit: nothing to do, the classic draft catches up on committed tokens when it drafts."""
@@ -195,7 +176,7 @@ class Drafter:
             engine_ms += ms
             # New prompts must reach the draft in any drafting regime: that share of the call stays in the
             # step overhead the planner charges to drafting. Requests that decoded a while without drafting
-            # are the price of switching into drafting, which the guard measures, not the steady state the
+            # are the price of switching into drafting, paid once, not the steady state the
             # planner models.
             switch = sum(c for r, c in group if r.stats.steps > 1)
             switch_ms += (time.perf_counter() - t) * 1e3 * switch / sum(c for _, c in group)
@@ -257,7 +238,7 @@ class Drafter:
         if observe:
             full = (time.perf_counter() - t0) * 1e3
             self._priced_ms += full
-            if self.costs.table is not None and self.metrics.steps % self.tuning.cost_observe_every == 0:
+            if self.costs.table is not None and self.costs.observing:
                 # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a
                 # sizeable share of a small draft call, and the planner must weigh what it really costs.
                 self._timings.append((len(reqs), full))

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from dspark_trt.runtime.phases.drafter import Draft, DraftRound, probe_turn
+from dspark_trt.runtime.phases.drafter import Draft, DraftRound
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.config import fixed_k_limit
 
@@ -32,7 +32,6 @@ class DsparkDrafter:
         self.drafting, self.tuning = drafting, tuning
         self.max_draft, self.max_context, _ = limits
         self.correction, self.costs, self.metrics = correction, costs, metrics
-        self._probes = 0
         self.spec_limit = fixed_k_limit("dspark", self.max_draft)
 
     def cap(self, r: Request, depth: int) -> int:
@@ -45,8 +44,6 @@ class DsparkDrafter:
 
     def draft(self, batch, depth, cost) -> DraftRound:
         spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
-        if batch.n_adaptive and depth.probing:
-            spec, self._probes = probe_turn(spec, self.tuning.probe_requests, self._probes)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
         t0 = time.perf_counter()
@@ -71,7 +68,7 @@ class DsparkDrafter:
                 r.stats.drafted_tokens += n
         full = (time.perf_counter() - t0) * 1e3
         table = self.costs.table
-        if table is not None and self.metrics.steps % self.tuning.cost_observe_every == 0:
+        if table is not None and self.costs.observing:
             table.observe_draft(len(spec), full)
         return DraftRound(out, engine_ms, full, 0.0)
 

@@ -1,5 +1,5 @@
-"""Learning from a finished step: survival correction outcomes, the recent output rate, the measured
-guard's arms, the unpriced step overhead by load, and the step's metrics.
+"""Learning from a finished step: survival correction outcomes, the recent output rate, what an
+exploration cost, the unpriced step overhead by load, and the step's metrics.
 
 Runs after commit, so the step's wall time it measures covers the whole step.
 """
@@ -25,9 +25,10 @@ def _pad_rows(rows: list, width: int) -> np.ndarray:
 class Learner:
     """Call order: ``learn(batch, depth, drafted, plan, result)`` once per step, last."""
 
-    def __init__(self, max_draft: int, tuning, correction, guard, costs, metrics):
-        self.max_draft, self.tuning, self.correction, self.guard, self.costs, self.metrics = (
-            max_draft, tuning, correction, guard, costs, metrics)
+    def __init__(self, max_draft: int, tuning, correction, costs, metrics, exploration=None):
+        self.max_draft, self.tuning, self.correction, self.costs, self.metrics = (
+            max_draft, tuning, correction, costs, metrics)
+        self.exploration = exploration  # the depth planner's ExplorationSchedule, settled after exploring
         self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
         self.explainer = Explainer(tuning.explain_window, tuning.explain_tolerance)
 
@@ -71,15 +72,13 @@ class Learner:
         rate = emitted / wall_ms
         costs.rate = rate if costs.rate == 0 else (1 - a) * costs.rate + a * rate
         costs.tau_row = emitted / nd if costs.tau_row == 0 else (1 - a) * costs.tau_row + a * emitted / nd
-        if depth.arm is not None:
-            # The guard compares the arms' steady decode work: prompts arrive whichever arm runs, in
-            # lumps (a wave of finishes, prefill batching), and a trial of drafting opens with the draft
-            # catching up on everything it skipped, which a short trial would weigh as if it recurred
-            # every trial; a switch that sticks pays it once.
+        if depth.exploring and self.exploration is not None:
+            # Its whole cost, the draft catching up on what it skipped included (that is what exploring
+            # costs, and the budget bounds it), but not the prompts that arrived: they come in lumps (a wave
+            # of finishes, prefill batching) whether it explores or not.
             prefill_ms = (result.last_call_ms if result.calls > 1
                           else costs.prefill_share(result.query_lens, result.past_lens, nd))
-            self.guard.record(nd, depth.arm, emitted, wall_ms - prefill_ms - drafted.switch_ms)
-        # Probe steps (a few requests catching up and drafting one token) are not what a drafting step costs.
-        if not depth.probing:
-            unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.switch_ms
-            costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)
+            self.exploration.settle(nd, depth.charged_ms, depth.explore_ms, wall_ms - prefill_ms - depth.plain_ms,
+                                    costs.table is None or costs.table.agreed("draft"))
+        unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.switch_ms
+        costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)

@@ -137,7 +137,7 @@ class Verifier:
         tokens = int(feeds["tokens"].shape[0])
         full = (time.perf_counter() - tv) * 1e3
         table = self.costs.table
-        if table is not None and self.metrics.steps % self.tuning.cost_observe_every == 0:
+        if table is not None and self.costs.observing:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
             # writes grow with the tokens verified too.
             table.observe_verify(tokens, full)

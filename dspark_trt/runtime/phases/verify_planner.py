@@ -1,8 +1,9 @@
 """Verify planning: how many drafts each request verifies this step.
 
 Fixed-K requests verify what they drafted, up to K; adaptive requests get the budget solver's answer on
-their online-corrected survivals (through the controller, which keeps sampling lossless), now and then
-an exploration step, and a depth cap where padding every row to the deepest stops paying. The plan
+their online-corrected survivals (through the controller, which keeps sampling lossless), the first draft
+of every request on an exploring step (scheduled by the depth planner, or after steps that admitted
+nothing), and a depth cap where padding every row to the deepest stops paying. The plan
 also sets the break-even survival that drafting reads next step.
 
 Counting as vLLM's budget rule does (issue 22): the objective's N is every decode row that emits a
@@ -64,11 +65,12 @@ class VerifyPlanner:
             limit = min(limit, self.tuning.max_verify_tokens)
         return limit
 
-    def plan(self, batch, drafted, cost) -> VerifyPlan:
-        lengths, solver_us = self._plan(batch, drafted, cost)
+    def plan(self, batch, drafted, cost, explore: bool = False) -> VerifyPlan:
+        """explore: the depth planner scheduled this step's drafting as exploration (verify what it drafted)."""
+        lengths, solver_us = self._plan(batch, drafted, cost, explore)
         return self._predict(batch, drafted, cost, lengths, solver_us)
 
-    def _plan(self, batch, drafted, cost) -> tuple[dict[int, int], float]:
+    def _plan(self, batch, drafted, cost, explore: bool = False) -> tuple[dict[int, int], float]:
         decode, drafts, draft_ms = batch.decode, drafted.drafts, drafted.engine_ms
         lengths: dict[int, int] = {}
         adaptive = []
@@ -103,17 +105,19 @@ class VerifyPlanner:
                                     _StepCost(table, fixed_ms), len(adaptive), caps=caps, n_emitting=n_emitting,
                                     max_budget=max_budget)
         solver_us = (time.perf_counter_ns() - t) / 1e3
-        exploring = False
+        # Exploration: survivals that are too pessimistic admit nothing, and then verification never shows
+        # that they are wrong; drafts made to explore the costs are there to be verified too. So verify the
+        # first draft of every request regardless (a decision independent of the drafts, so sampling stays
+        # lossless): on a scheduled exploring step, and after explore_every drafting steps that admitted none.
+        exploring = explore
         if self.correction is not None:
-            # Exploration: survivals that are too pessimistic admit nothing, and then verification never
-            # shows that they are wrong. Now and then verify the first draft of every request regardless
-            # (a decision independent of the drafts, so sampling stays lossless).
-            self._unverified_steps = self._unverified_steps + 1 if not plan.any() else 0
+            self._unverified_steps = self._unverified_steps + 1 if not (plan.any() or explore) else 0
             if self._unverified_steps >= self.tuning.correction.explore_every:
                 self._unverified_steps = 0
-                plan = np.minimum(caps, 1)
-                plan[np.cumsum(plan) > max_budget] = 0  # the first rows, by position: independent of the drafts
                 exploring = True
+        if exploring:
+            plan = np.maximum(plan, np.minimum(caps, 1))
+            plan[np.cumsum(plan) > max_budget] = 0  # the first rows, by position: independent of the drafts
         if not exploring and plan.any() and self.costs.shape is not None:
             plan = self._cap_depth(plan, live, decode, lengths, drafts, fixed_ms, cost)
         plan = plan.tolist()

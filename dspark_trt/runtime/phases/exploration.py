@@ -1,0 +1,99 @@
+"""Scheduled exploration: drafting now and then while the cost model says drafting does not pay.
+
+A cost model that is too pessimistic about drafting (a profile measured on a busy machine, draft calls
+3x too dear) stops drafting, and then no draft call is ever observed to show it wrong. So while the
+model plans no drafting, a step now and then drafts one token for every adaptive request and verifies
+it: its draft call, its wider verify call and its acceptances are fed to the cost tables and the
+survival correction (the runtime observes every call of an exploring step), and the next plan reads
+what they learned.
+
+The schedule is a budget, not a period: every step the model plans no drafting earns a share of its
+modelled step time as credit (per load bucket), and an exploration runs once the credit covers what it
+is expected to cost: its modelled extra time (one draft call, one more verified token a request, a
+drafting step's overhead) plus the draft catching up on the text generated since the last exploration,
+at the rate the last explorations measured (per step of gap; the first one finds out). Once it ran, what
+it measurably cost beyond a plain step is settled against the credit. So exploring costs at most that
+share of plain steps' time, bar the first exploration's catch-up, and stops where even its catch-up
+cannot fit. The share starts at
+``explore_budget`` and falls as 1/sqrt(1 + n), n the explorations at the load whose draft call the cost
+tables predicted (the uncertainty of a mean of n confirming observations; an exploration that finds the
+tables wrong does not count, so exploring goes on at full share until they have caught up), down to a
+tenth of it, which keeps a machine that changes later from going unnoticed for good.
+
+Lossless sampling is unaffected: whether a step explores depends only on earlier steps' timings.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dspark_trt.runtime.costs.overhead import load_bucket
+
+__all__ = ["ExplorationSchedule"]
+
+
+class _Load:
+    __slots__ = ("credit", "count", "confirmed", "gap", "catch_up")
+
+    def __init__(self):
+        self.credit = 0.0  # ms exploration may still spend
+        self.count = 0  # explorations so far
+        self.confirmed = 0  # explorations whose measured cost agreed with the model
+        self.gap = 0  # steps without drafting since the last exploration
+        self.catch_up = 0.0  # measured ms per step of gap beyond the modelled cost (the draft catching up)
+
+
+class ExplorationSchedule:
+    """Call order: ``due(n_decode, plain_ms, explore_ms)`` on each step the model plans no drafting;
+    ``settle(n_decode, charged_ms, explore_ms, measured_extra_ms, confirmed)`` after a step that explored."""
+
+    FLOOR = 0.1  # the share never falls below this fraction of explore_budget
+
+    def __init__(self, budget: float):
+        self.budget = float(budget)
+        self._loads: dict[int, _Load] = {}
+
+    def _load(self, n_decode: int) -> _Load:
+        b = load_bucket(n_decode)
+        load = self._loads.get(b)
+        if load is None:
+            load = self._loads[b] = _Load()
+        return load
+
+    def share(self, n_decode: int) -> float:
+        """The fraction of plain step time exploration may spend at this load now."""
+        n = self._load(n_decode).confirmed
+        return self.budget * max(self.FLOOR, 1.0 / math.sqrt(1.0 + n))
+
+    def due(self, n_decode: int, plain_ms: float, explore_ms: float) -> float | None:
+        """Whether this step explores: plain_ms, the modelled ms of this step without drafting; explore_ms,
+        the modelled extra ms of exploring. Returns the ms charged for it (None: not now)."""
+        if self.budget <= 0:
+            return None
+        load = self._load(n_decode)
+        load.credit += self.share(n_decode) * max(plain_ms, 0.0)
+        load.gap += 1
+        cost = max(explore_ms, 0.0) + load.catch_up * load.gap
+        if load.credit < cost:
+            return None
+        load.credit -= cost
+        load.count += 1
+        return cost
+
+    def settle(self, n_decode: int, charged_ms: float, explore_ms: float, measured_extra_ms: float,
+               confirmed: bool) -> None:
+        """An exploration charged charged_ms (modelled at explore_ms before catch-up) measurably cost
+        measured_extra_ms beyond a plain step: the difference goes to the credit, and what it cost beyond
+        its model, per step of gap, is the catch-up rate expected next time. confirmed: the cost tables
+        predicted its draft call."""
+        load = self._load(n_decode)
+        load.credit -= measured_extra_ms - charged_ms
+        load.confirmed += bool(confirmed)
+        per_step = max(0.0, measured_extra_ms - max(explore_ms, 0.0)) / max(load.gap, 1)
+        load.catch_up = per_step if load.count <= 1 else 0.5 * (load.catch_up + per_step)
+        load.gap = 0
+
+    def report(self) -> dict:
+        return {1 << b: {"explorations": x.count, "confirmed": x.confirmed, "credit_ms": round(x.credit, 3),
+                         "catch_up_ms_per_step": round(x.catch_up, 4)} for b, x in sorted(self._loads.items())
+                if x.count}

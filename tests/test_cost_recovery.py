@@ -1,0 +1,175 @@
+"""Recovery from a wrong cost profile, in a simulated cost environment (tests/cost_sim.py): engines whose
+acceptance is known (calibrated survivals, conditional acceptance 0.85, 0.8, 0.75, 0.7 by position) and
+whose calls take known true times on a simulated clock. Whatever the starting profile (too pessimistic
+about drafting, too optimistic, a flat verify curve), adaptive learns the true costs from its own calls
+and converges to what they imply; where drafting truly does not pay, exploring costs at most its budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from cost_sim import generate_all_at_once, profile_table, simulated
+from dspark_trt.runtime import GenerationConfig, Runtime
+from dspark_trt.runtime.tuning import RuntimeTuning
+
+ACCEPT = [0.85, 0.8, 0.75, 0.7]
+PROMPTS = [[5 + i, 9, 13] for i in range(8)]  # 8 requests: every slot of the test artifact
+
+
+def true_draft(rows, tokens):
+    return 2.0 + 0.1 * rows + 0.01 * max(0, tokens - rows)
+
+
+def true_verify(rows, tokens):
+    return 6.0 + 0.1 * tokens
+
+
+def run(artifact, monkeypatch, profile_draft=true_draft, profile_verify=true_verify, tuning=RuntimeTuning(),
+        spec="adaptive", draft=true_draft, verify=true_verify, tokens=200):
+    """Generate from PROMPTS on the simulated engines, the runtime starting from the given profile.
+    Returns (outputs, simulated ms, per-step log, cost drift, the runtime's exploration report)."""
+    rt = Runtime.load(artifact, profile="none", tuning=tuning)
+    try:
+        with monkeypatch.context() as mp:
+            engines = simulated(rt, mp, draft, verify, accept=ACCEPT)
+            rt.cost = profile_table(profile_draft, profile_verify, rt.max_batch, 64, rt)
+            start = engines.clock()
+            outs = generate_all_at_once(rt, PROMPTS, GenerationConfig(max_new_tokens=tokens, spec=spec))
+            ms = (engines.clock() - start) * 1e3
+        return outs, ms, list(rt.metrics.step_log), rt.cost.drift(), rt.depth_planner.exploration.report()
+    finally:
+        rt.cost = None  # nothing to persist next to the shared test artifact
+        rt.close()
+
+
+def rate(result) -> float:
+    outs, ms = result[0], result[1]
+    return sum(len(o.token_ids) for o in outs) / ms
+
+
+def full_steps(log, skip: int) -> list[dict]:
+    """The steps after the first `skip` with every request decoding (the converged regime)."""
+    return [s for s in log[skip:] if s["decode_requests"] == len(PROMPTS)]
+
+
+@pytest.fixture(scope="module")
+def truth(tiny_artifact):
+    """Adaptive started from the true costs: the decisions the true costs imply."""
+    with pytest.MonkeyPatch.context() as mp:
+        return run(tiny_artifact, mp)
+
+
+def test_the_simulated_environment_has_a_right_answer(tiny_artifact, monkeypatch, truth):
+    """Drafting pays here (best fixed K well above plain decoding) and adaptive from the true profile is
+    within a few percent of the best fixed K; greedy text is the target's whatever is drafted."""
+    off = run(tiny_artifact, monkeypatch, spec="off")
+    fixed = {k: run(tiny_artifact, monkeypatch, spec=f"fixed:{k}") for k in (1, 2)}
+    best = max(rate(r) for r in fixed.values())
+    assert best > 1.15 * rate(off)
+    assert rate(truth) > 0.95 * best
+    assert [o.token_ids for o in truth[0]] == [o.token_ids for o in off[0]]
+
+
+def test_a_profile_3x_too_pessimistic_about_drafting_is_recovered_by_exploring(tiny_artifact, monkeypatch, truth):
+    """Draft calls profiled 3x too dear: the model plans no drafting, so only exploration observes a draft
+    call. A few explorations teach the tables the true draft cost and adaptive drafts as the true costs
+    imply. Without exploration it never drafts again after its first step."""
+    pessimistic = run(tiny_artifact, monkeypatch, profile_draft=lambda r, t: 3 * true_draft(r, t))
+    outs, _, log, drift, explored = pessimistic
+    assert 1 <= explored[8]["explorations"] <= 6
+    assert drift["draft"]["global"] == pytest.approx(1 / 3, rel=0.1)
+    late = full_steps(log, 64)
+    assert np.mean([any(s["drafted"]) for s in late]) > 0.9
+    assert rate(pessimistic) > 0.93 * rate(truth)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in truth[0]]
+
+    stuck = run(tiny_artifact, monkeypatch, profile_draft=lambda r, t: 3 * true_draft(r, t),
+                tuning=replace(RuntimeTuning(), explore_budget=0.0))
+    assert not any(any(s["drafted"]) for s in full_steps(stuck[2], 8))
+    assert stuck[3]["draft"]["observations"] <= 1
+    assert rate(stuck) < 0.9 * rate(truth)
+
+
+def test_a_profile_too_optimistic_about_drafting_is_corrected_by_its_own_calls(tiny_artifact, monkeypatch, truth):
+    """Draft calls profiled 3x too cheap: adaptive drafts deep at first; the drafting calls it observes
+    teach the tables the true cost, and it settles where the true costs put it."""
+    optimistic = run(tiny_artifact, monkeypatch, profile_draft=lambda r, t: true_draft(r, t) / 3)
+    _, _, log, drift, _ = optimistic
+    assert drift["draft"]["global"] == pytest.approx(3.0, rel=0.1)
+    first = log[1]
+    depth = [np.mean([max(s["drafted"]) for s in full_steps(r[2], 48)]) for r in (optimistic, truth)]
+    assert max(first["drafted"]) > depth[1] + 1  # it started out drafting deeper than the truth implies
+    assert depth[0] == pytest.approx(depth[1], abs=0.5)
+    assert rate(optimistic) > 0.95 * rate(truth)
+
+
+def test_a_flat_verify_profile_is_corrected_by_its_own_calls(tiny_artifact, monkeypatch, truth):
+    """A verify curve recorded flat (extra verified tokens look free) at the cost of a plain step: the
+    verify calls it observes move the table to the true curve's level where it verifies."""
+    flat = run(tiny_artifact, monkeypatch, profile_verify=lambda r, t: true_verify(1, 8))
+    drift = flat[3]["verify"]
+    assert drift["observations"] > 10 and drift["global"] > 1.1
+    assert rate(flat) > 0.95 * rate(truth)
+
+
+def test_where_drafting_truly_does_not_pay_exploring_costs_at_most_its_budget(tiny_artifact, monkeypatch):
+    """Draft calls truly cost 20 ms and the profile says so: adaptive does not draft, and exploring costs at
+    most explore_budget of the run's time. (Here one exploration finds that the draft catching up on the
+    text it skipped costs more per step than the budget earns, so it does not explore again.)"""
+    dear = dict(draft=lambda r, t: 20.0 + true_draft(r, t))
+    dear["profile_draft"] = dear["draft"]
+    budget = RuntimeTuning().explore_budget
+    exploring = run(tiny_artifact, monkeypatch, **dear)
+    never = run(tiny_artifact, monkeypatch, tuning=replace(RuntimeTuning(), explore_budget=0.0), **dear)
+    assert exploring[4][8]["explorations"] >= 1
+    extra = exploring[1] - never[1]
+    assert 0 < extra <= budget * never[1]
+    assert [o.token_ids for o in exploring[0]] == [o.token_ids for o in never[0]]
+
+
+# ----------------------------------------------------------------------------------- the schedule alone
+
+def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_the_tables_are_confirmed():
+    from dspark_trt.runtime.phases.exploration import ExplorationSchedule
+
+    budget = 0.1
+
+    def drive(confirmed: bool, steps: int):
+        s = ExplorationSchedule(budget)
+        due = []
+        for _ in range(steps):
+            c = s.due(16, 10.0, 5.0)
+            if c is not None:
+                s.settle(16, c, 5.0, c, confirmed)  # it cost what was charged
+            due.append(c)
+        return s, due
+
+    s, due = drive(True, 20000)
+    charged = [c for c in due if c is not None]
+    assert all(c == 5.0 for c in charged)
+    assert 5.0 * len(charged) <= budget * 10.0 * len(due)
+    gaps = np.diff([i for i, c in enumerate(due) if c is not None])
+    assert gaps[0] < gaps[-1] <= 10 * gaps[0]  # the share falls with confirmations, to a tenth at most
+    assert s.share(16) == pytest.approx(budget * ExplorationSchedule.FLOOR)
+    assert s.due(1, 10.0, 5.0) is None  # every load bucket earns its own credit
+    # Explorations that find the tables wrong do not count: exploring goes on at the full share.
+    s, due = drive(False, 2000)
+    assert s.share(16) == budget and len({int(g) for g in np.diff([i for i, c in enumerate(due) if c])}) == 1
+
+
+def test_an_exploration_that_cost_more_than_modelled_is_paid_back_before_the_next():
+    """What an exploration measurably cost is settled against the credit, and the part beyond its model
+    (the draft catching up on the steps it skipped) is expected again, per step of gap, next time."""
+    from dspark_trt.runtime.phases.exploration import ExplorationSchedule
+
+    s = ExplorationSchedule(0.1)
+    steps = [s.due(16, 10.0, 5.0) for _ in range(5)]
+    assert steps == [None] * 4 + [5.0]
+    s.settle(16, 5.0, 5.0, 15.0, True)  # 10 ms of catch-up after 5 steps: 2 ms per step of gap
+    assert s.report()[16]["catch_up_ms_per_step"] == pytest.approx(2.0)
+    more = [s.due(16, 10.0, 5.0) for _ in range(200)]
+    assert all(c is None for c in more)  # 2 ms per step of gap outgrows the ~0.7 ms a step earns
