@@ -332,9 +332,9 @@ def test_every_observed_draft_call_is_fed_to_the_draft_drift_after_the_steps_dra
     events = []
     run_draft, observe_draft = rt.drafter.run_draft, rt.cost.observe_draft
 
-    def traced_run(reqs, *args, observe=True):
-        out = run_draft(reqs, *args, observe=observe)
-        if observe and rt.metrics.steps % rt.tuning.cost_observe_every == 0:
+    def traced_run(reqs, *args, observe=True, **kw):
+        out = run_draft(reqs, *args, observe=observe, **kw)
+        if observe and rt.costs.observing:
             events.append(("call", rt.metrics.steps, len(reqs)))
         return out
 
