@@ -55,7 +55,20 @@ def _run(og, model, msg, pad_id):
     return {"ok": True, "wall_s": time.perf_counter() - t0, "requests": reqs}
 
 
+def _protocol_stream():
+    """The real stdout for protocol lines; file descriptor 1 itself goes to stderr, so that nothing else
+    (the library's prints, its native code, processes it spawns) can write into the protocol."""
+    import os
+
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
 def main(argv) -> int:
+    out = _protocol_stream()
     model_dir = argv[1]
     pad_id = int(argv[2]) if len(argv) > 2 else None
     import onnxruntime_genai as og
@@ -66,8 +79,6 @@ def main(argv) -> int:
     with open(f"{model_dir}/genai_config.json") as f:
         pad = int(pad_id if pad_id is not None else json.load(f)["model"].get("pad_token_id", 0))
     model = og.Model(config)
-    out = sys.stdout
-    sys.stdout = sys.stderr  # anything the library prints must not corrupt the protocol
     for line in sys.stdin:
         msg = json.loads(line)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 
 from dspark_trt.errors import DsparkError
 
@@ -14,7 +15,9 @@ class WorkerClient:
 
     def __init__(self, cmd: list[str], name: str, env: dict | None = None):
         self.name = name
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        # The worker's log goes to a file (a pipe nobody reads while it runs would fill up and stall it).
+        self.log = tempfile.TemporaryFile(mode="w+", prefix=f"dspark-peer-{name}-")
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
                                      text=True, env=env)
         self.hello = self.ask({"cmd": "hello"})
 
@@ -23,11 +26,14 @@ class WorkerClient:
             self.proc.stdin.write(json.dumps(msg) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()
+            while line and not line.startswith("{"):  # not ours: a stray print that reached the pipe
+                line = self.proc.stdout.readline()
         except (BrokenPipeError, OSError):
             line = ""
         if not line:
             self.proc.wait()
-            err = [s for s in self.proc.stderr.read().strip().splitlines() if s.strip()][-1:]
+            self.log.seek(0)
+            err = [s for s in self.log.read().strip().splitlines() if s.strip()][-1:]
             raise DsparkError(f"the {self.name} peer's worker stopped (exit {self.proc.returncode}): "
                               f"{(err or ['no message'])[0].strip()}")
         reply = json.loads(line)
@@ -49,3 +55,4 @@ class WorkerClient:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self.log.close()

@@ -60,12 +60,23 @@ def _run(llm, msg):
     return {"ok": True, "wall_s": time.perf_counter() - t0, "requests": reqs}
 
 
+def _protocol_stream():
+    """The real stdout for protocol lines; file descriptor 1 itself goes to stderr, so that nothing else
+    (the library's prints, its native code, processes it spawns) can write into the protocol."""
+    import os
+
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return out
+
+
 def main(argv) -> int:
     cfg = json.loads(argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    out = sys.stdout
-    sys.stdout = sys.stderr  # vLLM's own prints must not corrupt the protocol
+    out = _protocol_stream()
     llm = _engine(cfg)
     for line in sys.stdin:
         msg = json.loads(line)
