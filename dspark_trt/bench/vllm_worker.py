@@ -74,7 +74,7 @@ def _protocol_stream():
 
 def main(argv) -> int:
     cfg = json.loads(argv[1])
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; plenty for a small pair
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
     out = _protocol_stream()
     llm = _engine(cfg)
