@@ -33,7 +33,9 @@ class WorkerClient:
         if not line:
             self.proc.wait()
             self.log.seek(0)
-            err = [s for s in self.log.read().strip().splitlines() if s.strip()][-1:]
+            lines = [s for s in self.log.read().strip().splitlines() if s.strip()]
+            # The exception's own line where there is one (a library may log more after it).
+            err = [s for s in lines if "Error:" in s][-1:] or lines[-1:]
             raise DsparkError(f"the {self.name} peer's worker stopped (exit {self.proc.returncode}): "
                               f"{(err or ['no message'])[0].strip()}")
         reply = json.loads(line)
