@@ -277,6 +277,7 @@ def _run_peers(manifest, prompts, max_new_tokens, temperature, seed, off_c1, bar
             row["greedy_match_off"] = same / len(p["requests"])
             row["greedy_mismatches"] = [i for i, (a, b) in enumerate(zip(p["requests"], off_c1))
                                         if a["token_ids"] != b["token_ids"]]
+        row["identical"] = row["greedy_match_off"] == 1.0 if row["greedy_match_off"] is not None else None
         rows.append(row)
     return rows
 
