@@ -47,6 +47,11 @@ def test_auto_skips_an_absent_peer_with_a_note(no_package_python):
     assert run == []
     assert [n.split(":")[0] for n in notes] == ["peer ortgenai skipped", "peer vllm skipped"]
     assert said == [f"note: {n}" for n in notes]
+    # Sampling: the greedy-only peers are left out whatever is installed (named: an error, one line).
+    run, notes = peer_runs.choose(["ortgenai"], False, sys.executable, said.append, temperature=0.7)
+    assert run == [] and "greedy decoding only" in notes[0]
+    with pytest.raises(DsparkError, match="runs greedy decoding only"):
+        peer_runs.choose(["vllm"], True, sys.executable, print, temperature=0.7)
 
 
 def test_bad_peer_options_from_the_cli(tmp_path, capsys):

@@ -136,7 +136,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
         from dspark_trt.bench import peer_runs
 
         python = str(peer_python or sys.executable)
-        engines, skipped = peer_runs.choose(engines, explicit, python, say)
+        engines, skipped = peer_runs.choose(engines, explicit, python, say, float(temperature))
         notes += skipped
         settings.update(peer_engines=engines, peer_python=python)
 

@@ -58,11 +58,14 @@ def available(engine: str, python: str) -> str | None:
     return None if peer_vllm.probe(python) else f"the vLLM peer needs the vllm package in {python}: {peer_vllm.INSTALL_HINT}"
 
 
-def choose(engines: list[str], explicit: bool, python: str, say) -> tuple[list[str], list[str]]:
-    """(engines to run, notes on the skipped ones); an explicitly named engine that cannot run is an error."""
+def choose(engines: list[str], explicit: bool, python: str, say, temperature: float = 0.0) -> tuple[list[str], list[str]]:
+    """(engines to run, notes on the skipped ones); an explicitly named engine that cannot run is an error.
+    The onnxruntime-genai and vLLM peers decode greedily only (their samplers draw other random numbers, so
+    nothing would be compared): at a temperature above 0 they are left out."""
     run, notes = [], []
     for e in engines:
-        why = available(e, python)
+        why = (f"the {e} peer runs greedy decoding only (this bench samples at temperature {temperature:g})"
+               if e != "hf" and temperature > 0 else available(e, python))
         if why is None:
             run.append(e)
         elif explicit:
