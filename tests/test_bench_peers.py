@@ -184,8 +184,8 @@ def test_peer_rows_and_comparison():
 
     table = peer_table({"peers": [hf_row, same, skipped], "peer_comparison": comp + [
         {"concurrency": 8, "ours": {}, "peers": {"ortgenai:target": {"output_tok_s": None, "skipped": "max batch 4"}}}]})
-    assert "| 2 | 3.0 | fixed:2 9.0 | 12.0 | 6.0 | yes | 0.50 (0.50) | 2.00 (2.00) |" in table
-    assert "| 8 | - | - | - | max batch 4 | - | - | - |" in table and "`ortgenai:target`: fake peer (test)" in table
+    assert "| 2 | 3.0 | fixed:2 9.0 | 12.0 | 6.0 | yes | 0.50 (0.50) | 1.50 (1.50) | 2.00 (2.00) |" in table
+    assert "| 8 | - | - | - | max batch 4 | - | - | - | - |" in table and "`ortgenai:target`: fake peer (test)" in table
 
 
 def test_plot_draws_a_peer_across_concurrency(tmp_path):

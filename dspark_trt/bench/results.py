@@ -208,9 +208,9 @@ def peer_table(result: dict) -> str:
     L = ["Whole-run output tok/s (all tokens over the time from first submission to last completion, summed "
          "over rounds, for ours and the peers alike); ratios: ours / peer, the median per-round ratio in brackets. "
          "identical: the peer's greedy tokens equal our `off` tokens for every request.", "",
-         "| conc | off | best fixed | adaptive | " + " | ".join(f"{m} | identical | off / it | adaptive / it"
-                                                            for m in peers) + " |",
-         "|---:|---:|---|---:|" + "---:|---|---:|---:|" * len(peers)]
+         "| conc | off | best fixed | adaptive | " + " | ".join(
+             f"{m} | identical | off / it | best fixed / it | adaptive / it" for m in peers) + " |",
+         "|---:|---:|---|---:|" + "---:|---|---:|---:|---:|" * len(peers)]
     for e in result["peer_comparison"]:
         ours = e["ours"]
         best = ours.get("best fixed")
@@ -221,7 +221,7 @@ def peer_table(result: dict) -> str:
             it = e["peers"].get(m) or {}
             cells += [_fmt(it.get("output_tok_s"), none=it.get("skipped") or "-"),
                       {True: "yes", False: "no"}.get(it.get("identical"), "-"),
-                      _ratio(it, "off"), _ratio(it, "adaptive")]
+                      _ratio(it, "off"), _ratio(it, "best_fixed"), _ratio(it, "adaptive")]
         L.append("| " + " | ".join(cells) + " |")
     L += [""] + [f"- `{m}`: {label}" for m, label in peers.items()]
     return "\n".join(L)
