@@ -89,6 +89,7 @@ def test_draft_copy_leaves_out_our_head_files(tmp_path):
     out = peer_vllm.draft_without_head(src, tmp_path / "copy")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert (out / "model.safetensors").read_text() == "model.safetensors"
+    assert not any(p.is_symlink() for p in out.iterdir())  # vLLM reads the path it is given, not a link's target
     assert sorted(p.name for p in src.iterdir()) == sorted(  # the source folder is left as it was
         ["config.json", "model.safetensors", "tokenizer.json", "confidence_head.safetensors",
          "confidence_head.json", "dspark_head"])
@@ -224,3 +225,22 @@ def test_ortgenai_peer_in_a_tiny_bench(tiny_artifact, tmp_path, monkeypatch):
     assert [e["concurrency"] for e in res["peer_comparison"]] == [1, 2]
     assert "## Peers across concurrency" in (out / "results.md").read_text()
     assert any((tmp_path / "cache" / "dspark-trt" / "peers").glob("ortgenai-*/genai_config.json"))
+
+
+# ----------------------------------------------------------------------------------------- worker protocol
+
+def test_worker_client_skips_stray_output_and_reports_a_crash_in_one_line():
+    from dspark_trt.bench.peer_worker import WorkerClient
+
+    echo = ("import json, sys\nprint('a library banner')\nfor line in sys.stdin:\n"
+            "    msg = json.loads(line)\n    if msg['cmd'] == 'quit': break\n"
+            "    print(json.dumps({'ok': True, 'got': msg['cmd']}), flush=True)\n")
+    w = WorkerClient([sys.executable, "-c", echo], "echo")
+    assert w.hello == {"ok": True, "got": "hello"}
+    w.close()
+    crash = ("import sys\nsys.stderr.write('Traceback (most recent call last):\\nValueError: 1 validation error\\n"
+             "  Value error, the draft is refused\\nshutting down\\n')\nsys.exit(3)\n")
+    with pytest.raises(DsparkError) as e:
+        WorkerClient([sys.executable, "-c", crash], "fake")
+    assert str(e.value) == ("the fake peer's worker stopped (exit 3): ValueError: 1 validation error "
+                            "Value error, the draft is refused")

@@ -37,7 +37,9 @@ def probe(python: str) -> str | None:
 
 
 def draft_without_head(draft_dir, dest) -> Path:
-    """``dest`` holding the draft folder's files except our head files (symlinks, no weights copied)."""
+    """``dest`` holding the draft folder's files except our head files: hard links where the file system
+    allows (no weights copied), copies elsewhere. Not symlinks: vLLM 0.32 picks its speculative method from
+    the draft's path, and a path naming "dspark" selects its DSpark drafter, which its CPU runner refuses."""
     src, dest = Path(draft_dir), Path(dest)
     if not (src / "config.json").is_file():
         raise DsparkError(f"the vLLM peer needs the draft checkpoint in HF layout; {src} has no config.json: "
@@ -46,7 +48,13 @@ def draft_without_head(draft_dir, dest) -> Path:
     for p in src.iterdir():
         if p.name in HEAD_ENTRIES:
             continue
-        (dest / p.name).symlink_to(p.resolve(), target_is_directory=p.is_dir())
+        if p.is_dir():
+            shutil.copytree(p, dest / p.name)
+            continue
+        try:
+            os.link(p, dest / p.name)
+        except OSError:
+            shutil.copy2(p, dest / p.name)
     return dest
 
 
@@ -70,7 +78,7 @@ class VllmPeer:
         self.mode = mode
         self.label = f"vLLM {version} (CPU), " + (f"same draft, fixed K={k}" if k else "no speculation")
         self.prompts = [list(map(int, p)) for p in prompts]
-        self._tmp = tempfile.mkdtemp(prefix="dspark-vllm-draft-")
+        self._tmp = tempfile.mkdtemp(prefix="vllm-peer-")  # no "dspark" in the path (draft_without_head)
         draft = str(draft_without_head(draft_dir, Path(self._tmp) / "draft")) if k else None
         cfg = {"target": str(target_dir), "draft": draft, "k": k, "max_num_seqs": int(max_batch),
                "max_model_len": int(max_model_len), "dtype": "float32"}

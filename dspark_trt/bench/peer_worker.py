@@ -35,7 +35,9 @@ class WorkerClient:
             self.log.seek(0)
             lines = [s for s in self.log.read().strip().splitlines() if s.strip()]
             # The exception's own line where there is one (a library may log more after it).
-            err = [s for s in lines if "Error:" in s][-1:] or lines[-1:]
+            at = max((i for i, s in enumerate(lines) if "Error" in s), default=len(lines) - 1)
+            err = lines[at:at + 2] if at + 1 < len(lines) and lines[at + 1].startswith(" ") else lines[at:at + 1]
+            err = [" ".join(s.strip() for s in err)] if err else []
             raise DsparkError(f"the {self.name} peer's worker stopped (exit {self.proc.returncode}): "
                               f"{(err or ['no message'])[0].strip()}")
         reply = json.loads(line)
