@@ -183,8 +183,9 @@ def test_peer_rows_and_comparison():
 
     from dspark_trt.bench.results import peer_table
 
-    table = peer_table({"peers": [hf_row, same, skipped], "peer_comparison": comp + [
-        {"concurrency": 8, "ours": {}, "peers": {"ortgenai:target": {"output_tok_s": None, "skipped": "max batch 4"}}}]})
+    unsupported = {"ortgenai:target": {"output_tok_s": None, "skipped": "max batch 4"}}
+    table = peer_table({"peers": [hf_row, same, skipped],
+                        "peer_comparison": comp + [{"concurrency": 8, "ours": {}, "peers": unsupported}]})
     assert "| 2 | 3.0 | fixed:2 9.0 | 12.0 | 6.0 | yes | 0.50 (0.50) | 1.50 (1.50) | 2.00 (2.00) |" in table
     assert "| 8 | - | - | - | max batch 4 | - | - | - | - |" in table and "`ortgenai:target`: fake peer (test)" in table
 

@@ -147,8 +147,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
     rt = Runtime.load(artifact_dir, backend=backend, profile="auto")
     try:
         if peers:
-            peer_list = peer_runs.start(engines, manifest, [p.ids for p in prompts], python, peer_runs.fixed_ks(mode_list),
-                                        max_batch, say)
+            peer_list = peer_runs.start(engines, manifest, [p.ids for p in prompts], python,
+                                        peer_runs.fixed_ks(mode_list), max_batch, say)
         env = _env(rt, manifest, backend, artifact_dir, cmd, peers)
         cost = None
         if rt.cost is not None:

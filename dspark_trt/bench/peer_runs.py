@@ -47,7 +47,9 @@ def available(engine: str, python: str) -> str | None:
         import importlib.util
 
         missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
-        return f"the transformers peer needs {' and '.join(missing)} (pip install torch transformers)" if missing else None
+        if missing:
+            return f"the transformers peer needs {' and '.join(missing)} (pip install torch transformers)"
+        return None
     if engine == "ortgenai":
         from dspark_trt.bench import peer_ortgenai
 
@@ -55,10 +57,13 @@ def available(engine: str, python: str) -> str | None:
                                                         f"package in {python}: {peer_ortgenai.INSTALL_HINT}")
     from dspark_trt.bench import peer_vllm
 
-    return None if peer_vllm.probe(python) else f"the vLLM peer needs the vllm package in {python}: {peer_vllm.INSTALL_HINT}"
+    if peer_vllm.probe(python):
+        return None
+    return f"the vLLM peer needs the vllm package in {python}: {peer_vllm.INSTALL_HINT}"
 
 
-def choose(engines: list[str], explicit: bool, python: str, say, temperature: float = 0.0) -> tuple[list[str], list[str]]:
+def choose(engines: list[str], explicit: bool, python: str, say,
+           temperature: float = 0.0) -> tuple[list[str], list[str]]:
     """(engines to run, notes on the skipped ones); an explicitly named engine that cannot run is an error.
     The onnxruntime-genai and vLLM peers decode greedily only (their samplers draw other random numbers, so
     nothing would be compared): at a temperature above 0 they are left out."""
