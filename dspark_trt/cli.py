@@ -207,7 +207,15 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
               help="Small preset for smoke tests (under 3 minutes); replaces --concurrency/--modes/--num-prompts/"
                    "--max-new-tokens left at their defaults. Open loop: two rates (0.5x, 2x capacity), 6 s each, "
                    "the short workload, under 2 minutes.")
-@click.option("--peers", is_flag=True, help="Also run HF transformers assisted generation at batch 1.")
+@click.option("--peers", is_flag=True,
+              help="Also run other engines on the same checkpoints and prompts (--peer-engines): transformers at "
+                   "batch 1, onnxruntime-genai and vLLM at every concurrency.")
+@click.option("--peer-engines", default="auto", show_default=True,
+              help="With --peers: hf, ortgenai, vllm (comma-separated), or auto = each one installed (the others "
+                   "are skipped with a note). Implies --peers.")
+@click.option("--peer-python", default=None, type=click.Path(dir_okay=False),
+              help="Python that runs the onnxruntime-genai and vLLM peers (e.g. another venv's bin/python) "
+                   "[default: this one].")
 @click.option("--rounds", default=1, type=click.IntRange(1),
               help="Repeat every (mode, concurrency) run, modes rotated. From 2 rounds adaptive / best gets a "
                    "confidence interval (94% at 5); many rounds of two modes (--modes fixed:2,adaptive) "
@@ -215,8 +223,8 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
 @click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
 @click.pass_context
 def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, duration, max_new_tokens, workload,
-          temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers, rounds,
-          force):
+          temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers,
+          peer_engines, peer_python, rounds, force):
     """Benchmark every speculation mode: throughput vs concurrency (closed loop), or latency and goodput
     under Poisson arrivals (open loop: --rates, --via-http)."""
     command = "dspark-trt " + " ".join(_redact_secrets(sys.argv[1:]))
@@ -229,7 +237,7 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
         from dspark_trt.bench.open_loop import run_open_loop
         from dspark_trt.bench.options import DEFAULT_MODES, OPEN_QUICK
 
-        for name in ("concurrency", "max_new_tokens", "peers"):
+        for name in ("concurrency", "max_new_tokens", "peers", "peer_engines", "peer_python"):
             if given(name):
                 raise DsparkError(f"--{name.replace('_', '-')} belongs to the closed loop; the open loop (--rates, "
                                   f"--via-http) takes arrival rates, and output lengths from --workload")
@@ -257,8 +265,9 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
         raise DsparkError(f"--temperature must be >= 0, got {temperature}")
     path = run_bench(artifact_dir, backend=backend, concurrency=concurrency, modes=modes, num_prompts=num_prompts,
                      max_new_tokens=max_new_tokens, temperature=temp, seed=seed, prompts_file=prompts_file,
-                     out_dir=out_dir, quick=quick, peers=peers, echo=click.echo, rounds=rounds, force=force,
-                     command=command)
+                     out_dir=out_dir, quick=quick, peers=peers or given("peer_engines") or given("peer_python"),
+                     echo=click.echo, rounds=rounds, force=force, command=command, peer_engines=peer_engines,
+                     peer_python=peer_python)
     click.echo(f"wrote {path}")
 
 

@@ -328,7 +328,8 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
     out = tmp_path / "bench"
     messages = []
     path = run_bench(tiny_artifact, concurrency="1,2,16", modes="off,fixed:2,adaptive", num_prompts=3,
-                     max_new_tokens=8, out_dir=out, peers=True, echo=messages.append, progress=False, rounds=3)
+                     max_new_tokens=8, out_dir=out, peers=True, peer_engines="hf", echo=messages.append,
+                     progress=False, rounds=3)
     assert path == out
     assert any("exceeds the artifact's max batch 8" in m for m in messages)
     res = json.loads((out / "results.json").read_text())

@@ -266,7 +266,7 @@ def _run_peers(manifest, prompts, max_new_tokens, temperature, seed, off_c1, bar
                     seed, dtype=manifest.get("model", {}).get("dtype", "fp32"), bar=bar)
     rows = []
     for p in raw:
-        row = {"mode": p["mode"], "concurrency": 1, "label": p["label"], "device": p["device"],
+        row = {"engine": "hf", "mode": p["mode"], "concurrency": 1, "label": p["label"], "device": p["device"],
                "threads": p["threads"], "versions": {"torch": p["torch"], "transformers": p["transformers"]}}
         row.update(summarize_requests(p["requests"], p["wall_s"]))
         if "assistant" in p:
@@ -277,6 +277,7 @@ def _run_peers(manifest, prompts, max_new_tokens, temperature, seed, off_c1, bar
             row["greedy_match_off"] = same / len(p["requests"])
             row["greedy_mismatches"] = [i for i, (a, b) in enumerate(zip(p["requests"], off_c1))
                                         if a["token_ids"] != b["token_ids"]]
+        row["identical"] = row["greedy_match_off"] == 1.0 if row["greedy_match_off"] is not None else None
         rows.append(row)
     return rows
 
@@ -295,7 +296,7 @@ def _comparison(runs, peers) -> list[dict]:
             for m, r, label in picks if r is not None]
     rows += [{"mode": p["mode"], "label": p["label"], **{k: p.get(k) for k in (
         "output_tok_s", "per_user_tok_s_p50", "per_user_tok_s_p90", "tpot_ms_p50", "greedy_match_off")}}
-        for p in peers]
+        for p in peers if p["concurrency"] == 1 and p.get("output_tok_s")]
     base = next((p["output_tok_s"] for p in peers if p["mode"] == "hf:target"), None)
     for r in rows:
         r["speedup_over_hf_target"] = r["output_tok_s"] / base if base and r.get("output_tok_s") else None

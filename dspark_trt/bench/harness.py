@@ -44,13 +44,16 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
               num_prompts: int = DEFAULT_NUM_PROMPTS, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
               temperature: float = 0.0, seed: int = 0, prompts_file=None, out_dir="bench-results",
               quick: bool = False, peers: bool = False, echo=None, *, rounds: int = 1, force: bool = False,
-              progress: bool = True, command: str | None = None, warmup: bool = True) -> Path:
+              progress: bool = True, command: str | None = None, warmup: bool = True, peer_engines: str = "auto",
+              peer_python: str | None = None) -> Path:
     """Run the benchmark and write results.json, results.md and throughput.png; returns their directory.
 
     ``quick`` replaces concurrency, modes, num_prompts and max_new_tokens by :data:`QUICK` where they
     still have the CLI defaults (fixed:K above the artifact's max draft is dropped from the preset).
-    ``peers`` adds transformers plain and assisted generation at batch 1 on the manifest's source
-    checkpoints (concurrency 1 is added to the levels if missing). ``rounds`` repeats each concurrency's
+    ``peers`` adds other engines on the manifest's source checkpoints (``peer_engines``, see
+    :mod:`dspark_trt.bench.peer_runs`: transformers at batch 1, for which concurrency 1 is added to the
+    levels if missing; onnxruntime-genai and vLLM at every level, in the same rounds as our modes, their
+    workers run by ``peer_python``, default this Python). ``rounds`` repeats each concurrency's
     interleaved pass over the modes. ``force`` overwrites results already in ``out_dir`` (default: write
     into a new timestamped subdirectory). ``command`` overrides the recorded command line.
     """
@@ -61,9 +64,14 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
         raise DsparkError(f"rounds must be >= 1, got {rounds}")
     if int(num_prompts) < 1 or int(max_new_tokens) < 1:
         raise DsparkError("--num-prompts and --max-new-tokens must be >= 1")
+    if peers:
+        from dspark_trt.bench.peer_runs import parse_peer_engines
+
+        engines, explicit = parse_peer_engines(peer_engines)
     args = dict(artifact_dir=artifact_dir, backend=backend, concurrency=concurrency, modes=modes,
                 num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                prompts_file=prompts_file, out_dir=out_dir, peers=peers)
+                prompts_file=prompts_file, out_dir=out_dir, peers=peers, peer_engines=peer_engines,
+                peer_python=peer_python)
     quick_modes = bool(quick) and str(modes) == DEFAULT_MODES
     if quick:
         concurrency, modes, num_prompts, max_new_tokens = apply_quick(concurrency, modes, num_prompts, max_new_tokens)
@@ -124,6 +132,14 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 "rounds": int(rounds), "concurrency": levels, "modes": mode_list,
                 "concurrency_requested": str(concurrency), "max_batch": max_batch, "max_draft": max_draft,
                 "requests_per_run": {c: requests_per_run(len(prompts), c) for c in levels}}
+    peer_list = []
+    if peers:
+        from dspark_trt.bench import peer_runs
+
+        python = str(peer_python or sys.executable)
+        engines, skipped = peer_runs.choose(engines, explicit, python, say, float(temperature))
+        notes += skipped
+        settings.update(peer_engines=engines, peer_python=python)
 
     from tqdm.auto import tqdm
 
@@ -131,6 +147,9 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
 
     rt = Runtime.load(artifact_dir, backend=backend, profile="auto")
     try:
+        if peers:
+            peer_list = peer_runs.start(engines, manifest, [p.ids for p in prompts], python,
+                                        peer_runs.fixed_ks(mode_list), max_batch, say)
         env = _env(rt, manifest, backend, artifact_dir, cmd, peers)
         cost = None
         if rt.cost is not None:
@@ -140,7 +159,9 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
         result = {"format": "dspark-trt/bench", "version": 1, "complete": False, "env": env, "settings": settings,
                   "notes": notes, "prompts": [p.to_dict() for p in prompts], "runs": [], "summary": []}
         total = sum(requests_per_run(len(prompts), c) for c in levels) * len(mode_list) * int(rounds)
-        peer_reqs = len(prompts) * 2 if peers else 0
+        peer_reqs = len(prompts) * 2 if peers and "hf" in engines else 0
+        peer_reqs += sum(requests_per_run(len(prompts), c) for c in levels for p in peer_list
+                         if c <= p.max_batch) * int(rounds)
         with tqdm(total=total + peer_reqs, desc="bench", unit="req", disable=not progress, dynamic_ncols=True) as bar:
             if warmup:
                 bar.set_postfix_str("warm-up")
@@ -148,26 +169,44 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
             off_c1 = None
             for c in levels:
                 raw = {m: [] for m in mode_list}
+                peer_raw = {p.mode: [] for p in peer_list}
+                peer_by_mode = {p.mode: p for p in peer_list}
+                names = mode_list + list(peer_by_mode)
+                n_req = requests_per_run(len(prompts), c)
                 for rnd in range(int(rounds)):
-                    order = mode_list[rnd % len(mode_list):] + mode_list[:rnd % len(mode_list)]
+                    order = names[rnd % len(names):] + names[:rnd % len(names)]
                     for m in order:
                         bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}")
-                        raw[m].append(_measure(rt, prompts, m, c, requests_per_run(len(prompts), c), int(max_new_tokens),
+                        if m in peer_by_mode:
+                            run = peer_runs.measure(peer_by_mode[m], c, n_req, int(max_new_tokens))
+                            if run is not None:
+                                peer_raw[m].append(run)
+                                bar.update(len(run["requests"]))
+                            continue
+                        raw[m].append(_measure(rt, prompts, m, c, n_req, int(max_new_tokens),
                                                float(temperature), int(seed), bar))
                 rows = _aggregate(raw, c, max_draft, cost, float(temperature))
                 if c == 1 and "off" in raw:
                     off_c1 = raw["off"][0]["requests"]
                 result["runs"].extend(rows)
                 result["summary"] = _summary(result["runs"], [x for x in levels if x <= c])
+                if peer_list:
+                    base = raw.get("off") or next(iter(raw.values()))
+                    prow = peer_runs.rows_for_level(peer_list, peer_raw, c, base, float(temperature))
+                    result.setdefault("peers", []).extend(prow)
+                    result["peer_comparison"] = peer_runs.comparison(result["runs"], result["peers"])
+                    rows_shown = rows + [r for r in prow if r.get("output_tok_s")]
+                else:
+                    rows_shown = rows
                 _write(out, result)
                 best = max(rows, key=lambda r: r["output_tok_s"])
-                line = (f"concurrency {c}: " + ", ".join(f"{r['mode']} {r['output_tok_s']:.1f}" for r in rows)
+                line = (f"concurrency {c}: " + ", ".join(f"{r['mode']} {r['output_tok_s']:.1f}" for r in rows_shown)
                         + f" tok/s (best {best['mode']})")
                 bar.write(line) if progress else say(line)
-            if peers:
+            if peers and "hf" in engines:
                 bar.set_postfix_str("peers (transformers, batch 1)")
-                result["peers"] = _run_peers(manifest, prompts, int(max_new_tokens), float(temperature), int(seed),
-                                             off_c1, bar)
+                hf = _run_peers(manifest, prompts, int(max_new_tokens), float(temperature), int(seed), off_c1, bar)
+                result["peers"] = hf + result.get("peers", [])
                 result["comparison_c1"] = _comparison(result["runs"], result["peers"])
         result["complete"] = True
         env["load_avg_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -178,6 +217,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                         title=f"{Path(artifact_dir).name} | {backend} | {env['cpu']} | {max_new_tokens} new tokens",
                         peers=result.get("peers"))
     finally:
+        if peer_list:
+            peer_runs.close(peer_list)
         rt.close()
     return out
 

@@ -15,8 +15,8 @@ def _mode_key(mode: str):
 
 def plot_throughput(runs: list[dict], path, title: str = "", peers: list[dict] | None = None) -> Path:
     """Two panels over concurrency (log2 axis): output tok/s per mode, and each mode's speed-up over `off`
-    at the same concurrency. ``runs``: results.json run rows; ``peers``: peer rows (drawn as markers at
-    their concurrency, 1)."""
+    at the same concurrency. ``runs``: results.json run rows; ``peers``: peer rows (open markers at their
+    concurrencies, joined where a peer ran at several)."""
     import matplotlib
 
     matplotlib.use("Agg", force=False)
@@ -40,12 +40,15 @@ def plot_throughput(runs: list[dict], path, title: str = "", peers: list[dict] |
               if off.get(r["concurrency"])]
         if sp and m != "off":
             ax2.plot([x for x, _ in sp], [y for _, y in sp], **style)
-    for p, marker in zip(peers or [], ("s", "^", "D", "v")):
-        ax1.scatter([p["concurrency"]], [p["output_tok_s"]], marker=marker, s=60, zorder=5,
-                    edgecolors="black", facecolors="none", label=p["mode"])
-        if off.get(p["concurrency"]):
-            ax2.scatter([p["concurrency"]], [p["output_tok_s"] / off[p["concurrency"]]], marker=marker, s=60,
-                        zorder=5, edgecolors="black", facecolors="none", label=p["mode"])
+    # Peers: open markers, joined by a thin grey line where a peer ran at several concurrencies.
+    peer_modes = list(dict.fromkeys(p["mode"] for p in peers or [] if p.get("output_tok_s")))
+    for mode, marker in zip(peer_modes, ("s", "^", "D", "v", "P", "X", "<", ">", "h")):
+        pts = sorted((p["concurrency"], p["output_tok_s"]) for p in peers if p["mode"] == mode and p.get("output_tok_s"))
+        style = dict(marker=marker, ms=7, color="grey", mfc="none", mec="black", lw=1, ls=":", zorder=5, label=mode)
+        ax1.plot([x for x, _ in pts], [y for _, y in pts], **style)
+        sp = [(x, y / off[x]) for x, y in pts if off.get(x)]
+        if sp:
+            ax2.plot([x for x, _ in sp], [y for _, y in sp], **style)
     ax2.axhline(1.0, color="black", lw=1, ls="--")
     for ax, ylabel in ((ax1, "output tokens / s"), (ax2, "speed-up over off")):
         ax.set_xscale("log", base=2)

@@ -50,6 +50,10 @@ def _command_line(args: dict) -> str:
     parts += ["--out", str(args["out_dir"])]
     if args.get("peers"):
         parts.append("--peers")
+        if str(args.get("peer_engines") or "auto") != "auto":
+            parts += ["--peer-engines", str(args["peer_engines"])]
+        if args.get("peer_python"):
+            parts += ["--peer-python", str(args["peer_python"])]
     return shlex.join(parts)
 
 
@@ -179,7 +183,7 @@ def render_markdown(result: dict) -> str:
                  f"| {_fmt(s.get('adaptive_over_best_held_out'), '.3f')} | {_interval(s)} "
                  f"| {' '.join(s.get('held_out_picks') or []) or '-'} "
                  f"| {_fmt(s['adaptive_over_off'], '.3f')} | {_drift(s.get('engine_drift'))} |")
-    if result.get("peers"):
+    if result.get("comparison_c1"):
         L += ["", "## Peers at concurrency 1 (same prompts, same token counts; whole-run throughput for every row)", "",
               "| system | output tok/s | per-user tok/s p50 | TPOT ms | speed-up over transformers target | greedy = our off |",
               "|---|---:|---:|---:|---:|---:|"]
@@ -191,8 +195,43 @@ def render_markdown(result: dict) -> str:
         if assisted:
             L += ["", f"transformers assisted generation settings: {assisted['assistant']} "
                       f"(device {assisted['device']}, {assisted['threads']} torch threads)."]
+    if result.get("peer_comparison"):
+        L += ["", "## Peers across concurrency", "", peer_table(result), ""]
     L += ["", "## Definitions", "", DEFINITIONS, "## Headline (the command and the table docs/benchmarks.md quotes)", "", headline(result), ""]
     return "\n".join(L)
+
+
+def peer_table(result: dict) -> str:
+    """Our off / best fixed K / adaptive next to each multi-concurrency peer, whole-run tok/s, with our mode
+    over the peer (the median of the per-round ratios, both ran in the same rounds, in brackets)."""
+    peers = {p["mode"]: p["label"] for p in result.get("peers", []) if p.get("engine") not in (None, "hf")}
+    L = ["Whole-run output tok/s (all tokens over the time from first submission to last completion, summed "
+         "over rounds, for ours and the peers alike); ratios: ours / peer, the median per-round ratio in brackets. "
+         "identical: the peer's greedy tokens equal our `off` tokens for every request.", "",
+         "| conc | off | best fixed | adaptive | " + " | ".join(
+             f"{m} | identical | off / it | best fixed / it | adaptive / it" for m in peers) + " |",
+         "|---:|---:|---|---:|" + "---:|---|---:|---:|---:|" * len(peers)]
+    for e in result["peer_comparison"]:
+        ours = e["ours"]
+        best = ours.get("best fixed")
+        cells = [str(e["concurrency"]), _fmt((ours.get("off") or {}).get("output_tok_s")),
+                 f"{best['mode']} {best['output_tok_s']:.1f}" if best else "-",
+                 _fmt((ours.get("adaptive") or {}).get("output_tok_s"))]
+        for m in peers:
+            it = e["peers"].get(m) or {}
+            cells += [_fmt(it.get("output_tok_s"), none=it.get("skipped") or "-"),
+                      {True: "yes", False: "no"}.get(it.get("identical"), "-"),
+                      _ratio(it, "off"), _ratio(it, "best_fixed"), _ratio(it, "adaptive")]
+        L.append("| " + " | ".join(cells) + " |")
+    L += [""] + [f"- `{m}`: {label}" for m, label in peers.items()]
+    return "\n".join(L)
+
+
+def _ratio(item: dict, name: str) -> str:
+    r, rounds = item.get(f"{name}_over_peer"), item.get(f"{name}_over_peer_rounds") or []
+    if r is None:
+        return "-"
+    return f"{r:.2f}" + (f" ({float(np.median(rounds)):.2f})" if rounds else "")
 
 
 def _interval(s: dict) -> str:
