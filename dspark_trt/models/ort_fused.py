@@ -55,22 +55,20 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
            num_heads: int) -> torch.Tensor:
-    """x [N, heads * D], positions [N], tables [max_positions, D / 2] -> x rotated (non-interleaved)."""
+    """x [B, T, heads * D], positions [B, T], tables [max_positions, D / 2] -> x rotated (non-interleaved)."""
     if _exporting():
-        out = torch.onnx.ops.symbolic(f"{MS}::RotaryEmbedding", [x[None], positions[None], cos_table, sin_table],
-                                      attrs={"interleaved": 0, "num_heads": num_heads},
-                                      dtype=x.dtype, shape=(1, *x.shape), version=1)
-        return out[0]
-    cos = torch.cat([cos_table[positions]] * 2, dim=-1)[:, None, :]  # [N, 1, D]
-    sin = torch.cat([sin_table[positions]] * 2, dim=-1)[:, None, :]
+        return torch.onnx.ops.symbolic(f"{MS}::RotaryEmbedding", [x, positions, cos_table, sin_table],
+                                       attrs={"interleaved": 0, "num_heads": num_heads},
+                                       dtype=x.dtype, shape=x.shape, version=1)
+    cos = torch.cat([cos_table[positions]] * 2, dim=-1)[..., None, :]  # [B, T, 1, D]
+    sin = torch.cat([sin_table[positions]] * 2, dim=-1)[..., None, :]
     return apply_rope(x.unflatten(-1, (num_heads, -1)), cos, sin).flatten(-2)
 
 
 class FusedAttention(nn.Module):
-    def __init__(self, attn, eps: float):
+    def __init__(self, attn):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
-        self.eps = eps
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         self.qkv = nn.Linear(qkv[0].in_features, sum(p.out_features for p in qkv), bias=qkv[0].bias is not None)
         with torch.no_grad():
@@ -81,32 +79,34 @@ class FusedAttention(nn.Module):
         self.o_proj = attn.o_proj
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
 
-    def project(self, x, positions, cos_table, sin_table):
+    def forward(self, x, batch: PackedBatch, layer: int, tables, mask):
         h, kvh, d = self.n_heads, self.n_kv, self.head_dim
+        r, lq = batch.pack_index.shape
+        groups = h // kvh
+        pack = batch.pack_index
         q, k, v = self.qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
         if self.q_norm is not None:
             q = rms_norm(q.unflatten(-1, (h, d)), self.q_norm.weight, self.q_norm.eps).flatten(-2)
             k = rms_norm(k.unflatten(-1, (kvh, d)), self.k_norm.weight, self.k_norm.eps).flatten(-2)
-        q = rotary(q, positions, cos_table, sin_table, h)
-        k = rotary(k, positions, cos_table, sin_table, kvh)
-        return q.unflatten(-1, (h, d)), k.unflatten(-1, (kvh, d)), v.unflatten(-1, (kvh, d))
-
-    def forward(self, x, batch: PackedBatch, layer: int, tables, mask):
-        q, k_new, v_new = self.project(x, batch.positions, *tables)  # [N, H, D], [N, KVH, D]
-        r, lq = batch.pack_index.shape
-        groups, d = self.n_heads // self.n_kv, self.head_dim
-        # Past of the active slots, laid out for MatMul: keys [R, KVH, D, P], values [R, KVH, P, D].
+        # New keys rotated where they are packed (the cache's entries); queries rotated after padding.
+        k = rotary(k[None], batch.positions[None], *tables, kvh)[0]
+        q = rotary(q[pack], batch.positions[pack], *tables, h)  # [R, Lq, H * D]
+        # Past of the active slots, gathered once and read by MatMul in place of a transpose (ONNX Runtime
+        # folds the permutes into FusedMatMul): keys [R, KVH, D, P], values [R, KVH, P, D].
         past_k = batch.past_keys[layer].index_select(1, batch.slot_ids).permute(1, 2, 3, 0)
         past_v = batch.past_values[layer].index_select(1, batch.slot_ids).permute(1, 2, 0, 3)
         p = past_v.shape[2]
-        qg = q[batch.pack_index].transpose(1, 2).reshape(r, self.n_kv, groups * lq, d) * (1.0 / math.sqrt(d))
-        new_k = k_new[batch.pack_index].permute(0, 2, 3, 1)  # [R, KVH, D, Lq]
-        new_v = v_new[batch.pack_index].transpose(1, 2)  # [R, KVH, Lq, D]
+        # Query rows per KV head ordered (group, position): [R, KVH, G * Lq, D], pre-scaled.
+        qg = q.reshape(r, lq, h, d).transpose(1, 2).reshape(r, kvh, groups * lq, d) * (1.0 / math.sqrt(d))
+        new_k = k[pack].reshape(r, lq, kvh, d).permute(0, 2, 3, 1)  # [R, KVH, D, Lq]
+        new_v = v[pack].reshape(r, lq, kvh, d).transpose(1, 2)  # [R, KVH, Lq, D]
+        # Scores against the past and the new block apart: joining scores copies G*Lq columns, joining
+        # the keys would copy the whole past again.
         scores = torch.cat([torch.matmul(qg, past_k), torch.matmul(qg, new_k)], dim=-1).float()
         probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(torch.float32).min), dim=-1).to(new_v.dtype)
         out = torch.matmul(probs[..., :p], past_v) + torch.matmul(probs[..., p:], new_v)  # [R, KVH, G*Lq, D]
-        out = out.reshape(r, self.n_heads, lq, d).transpose(1, 2).reshape(r * lq, -1)
-        return self.o_proj(out[batch.unpack_index]), k_new, v_new
+        out = out.reshape(r, h, lq, d).transpose(1, 2).reshape(r * lq, h * d)
+        return self.o_proj(out[batch.unpack_index]), k.unflatten(-1, (kvh, d)), v.unflatten(-1, (kvh, d))
 
 
 class FusedMLP(nn.Module):
@@ -135,7 +135,7 @@ class FusedDecoder(nn.Module):
         self.embed_tokens = decoder.model.embed_tokens
         self.lm_head = decoder.lm_head
         self.eps = cfg.rms_norm_eps
-        self.attn = nn.ModuleList(FusedAttention(layer.self_attn, self.eps) for layer in decoder.model.layers)
+        self.attn = nn.ModuleList(FusedAttention(layer.self_attn) for layer in decoder.model.layers)
         self.mlp = nn.ModuleList(FusedMLP(layer.mlp) for layer in decoder.model.layers)
         self.norm_in = nn.ParameterList(layer.input_layernorm.weight for layer in decoder.model.layers)
         self.norm_post = nn.ParameterList(layer.post_attention_layernorm.weight for layer in decoder.model.layers)
@@ -152,7 +152,7 @@ class FusedDecoder(nn.Module):
                               "export those graphs in the standard flavour")
         x = self.embed_tokens(batch.tokens)
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        mask = _attention_mask(batch, x.device).repeat(1, 1, groups, 1)
+        mask = _attention_mask(batch, x.device).repeat(1, 1, groups, 1)  # rows (group, position), as qg
         tables = (self.cos_table, self.sin_table)
         h = rms_norm(x, self.norm_in[0], self.eps)
         new_keys, new_values = [], []
@@ -169,7 +169,7 @@ class FusedDecoder(nn.Module):
 
 def _attention_mask(batch: PackedBatch, device) -> torch.Tensor:
     """[R, 1, Lq, P+Lq], broadcast over KV heads: past position p is visible when p < past_len, new
-    position j to query i when j <= i < query_len. The caller repeats it per query group (row g * Lq + i)."""
+    position j to query i when j <= i < query_len."""
     r, lq = batch.pack_index.shape
     p = batch.past_keys[0].shape[0]
     past_ok = torch.arange(p, device=device)[None, None, :] < batch.past_lens[:, None, None]  # [R, 1, P]
