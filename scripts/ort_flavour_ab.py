@@ -8,6 +8,11 @@ steps in this thread, greedy, EOS ignored, max(4, c) held-out prompts at concurr
 per run: ms per step (`wall`, and `ort_target` / `ort_draft`, the time inside the sessions' run calls),
 output tokens per second, and a hash of the generated tokens (equal across flavours when greedy is
 unchanged). Ends with one summary line per cell: medians and ranges over rounds of fused/standard.
+
+--engine N: instead, the graphs alone: N interleaved runs of each flavour's draft and target session on
+the same synthetic packed feeds (R requests of Lq new tokens over a past of 120 positions, greedy), one
+line per (graph, R, Lq) with min and median ms of each flavour and the median of the paired ratios.
+On a shared machine the engine-only medians are steadier than whole generations.
 """
 
 from __future__ import annotations
@@ -53,6 +58,65 @@ def run_once(rt, prompts, mode, conc, new_tokens):
     return steps, wall, [r.generated_ids for r in reqs]
 
 
+ENGINE_SHAPES = ((1, 1), (1, 4), (16, 1), (16, 3), (64, 1), (64, 2))  # (R, Lq) per call
+ENGINE_PAST = 120
+
+
+def engine_feeds(manifest, graph: str, r: int, lq: int, rng):
+    import numpy as np
+
+    from dspark_trt.manifest import kv_names
+    from dspark_trt.runtime.batch import pack_queries, verify_rows
+
+    facts = manifest["model"] if graph == "target" else manifest["draft"]
+    vocab, slots = manifest["model"]["vocab_size"], manifest["limits"]["max_batch"]
+    r = min(r, slots)
+    feeds = pack_queries([list(rng.integers(0, vocab, lq)) for _ in range(r)], [ENGINE_PAST - 8] * r, list(range(r)))
+    if graph == "target":
+        vl = np.full(r, lq - 1)
+        feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
+        m = len(feeds["verify_index"])
+        feeds.update(verify_lens=vl, draft_tokens=rng.integers(0, vocab, m), draft_probs=np.zeros((m, vocab), np.float32),
+                     temperature=np.zeros(r, np.float32), accept_uniforms=rng.random(m, dtype=np.float32),
+                     sample_uniforms=rng.random(r, dtype=np.float32))
+    else:
+        feeds.update(temperature=np.zeros(r, np.float32), uniforms=rng.random(r, dtype=np.float32),
+                     prev_survival=np.ones(r, np.float32), draft_position=np.zeros(r, np.int64))
+    shape = (ENGINE_PAST, slots, facts["num_kv_heads"], facts["head_dim"])
+    dtype = np.float16 if manifest["model"]["dtype"] == "fp16" else np.float32
+    past = [rng.standard_normal(shape).astype(dtype) for _ in range(2 * facts["num_layers"])]
+    return {**feeds, **dict(zip(kv_names(facts["num_layers"], "past"), past))}
+
+
+def engine_ab(artifact, reps: int) -> None:
+    import numpy as np
+
+    from dspark_trt.manifest import Manifest
+    from dspark_trt.runtime.backends.ort import graph_file, open_session, session_options
+
+    manifest = Manifest.load(artifact)
+    opts = session_options()  # the backend's own
+    rng = np.random.default_rng(0)
+    for graph in ("target", "draft"):
+        sessions = {name: open_session(Path(artifact) / graph_file(manifest, graph, flavour), opts)
+                    for name, flavour in (("standard", "standard"), ("fused", "auto"))}
+        for r, lq in ENGINE_SHAPES:
+            feeds = engine_feeds(manifest, graph, r, lq, rng)
+            times = {name: [] for name in sessions}
+            for s in sessions.values():
+                s.run(None, feeds)
+            for rep in range(reps):
+                for name in (list(sessions) if rep % 2 == 0 else list(sessions)[::-1]):
+                    t = time.perf_counter()
+                    sessions[name].run(None, feeds)
+                    times[name].append((time.perf_counter() - t) * 1e3)
+            ratio = [f / s for f, s in zip(times["fused"], times["standard"])]
+            print(json.dumps({"engine": graph, "requests": r, "query_len": lq, "reps": reps,
+                              "ms_min": {n: round(min(t), 3) for n, t in times.items()},
+                              "ms_median": {n: round(statistics.median(t), 3) for n, t in times.items()},
+                              "fused_over_standard_median": round(statistics.median(ratio), 3)}), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("artifact")
@@ -60,7 +124,10 @@ def main():
     ap.add_argument("--modes", default="off,adaptive")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--engine", type=int, default=0, metavar="N")
     args = ap.parse_args()
+    if args.engine:
+        return engine_ab(args.artifact, args.engine)
 
     from dspark_trt.bench.prompts import corpus_prompts
     from dspark_trt.runtime import Runtime
