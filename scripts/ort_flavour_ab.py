@@ -58,7 +58,7 @@ def run_once(rt, prompts, mode, conc, new_tokens):
     return steps, wall, [r.generated_ids for r in reqs]
 
 
-ENGINE_SHAPES = ((1, 1), (1, 4), (16, 1), (16, 3), (64, 1), (64, 2))  # (R, Lq) per call
+ENGINE_SHAPES = ((1, 1), (1, 4), (16, 1), (16, 3), (64, 1), (64, 2), (4, 64))  # (R, Lq) per call; the last a prefill
 ENGINE_PAST = 120
 
 
