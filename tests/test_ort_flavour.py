@@ -91,6 +91,44 @@ def test_fused_graphs_have_fewer_nodes_and_use_the_contrib_ops(tiny_artifact):
             [n.op_type for n in std.graph.node if n.domain == "dspark"]
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("llama", {"rope_scaling": LLAMA3_ROPE}),
+                                        ("qwen2", {}), ("qwen3", {"qk_norm": True, "attention_bias": True})])
+def test_fused_decoder_computes_the_packed_decoder_in_torch(arch, extra):
+    """The flavour's math in eager torch (each contrib op's torch twin), for every family's options:
+    biases on q/k/v (and o), q/k norms, scaled rotary; ragged queries, a fresh request, grouped KV heads."""
+    import torch
+
+    from dspark_trt.models.config import ModelConfig
+    from dspark_trt.models.decoder import Decoder, PackedBatch, make_packed_index
+    from dspark_trt.models.ort_fused import FusedDecoder
+
+    cfg = ModelConfig(arch, 97, 64, 96, 2, 4, 2, 24, max_position_embeddings=256, **extra)
+    dec = Decoder(cfg).init_weights(std=0.08, seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # random biases and norm weights, so every parameter matters
+        for name, p in dec.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    fused = FusedDecoder(dec, 256).eval()
+    query_lens, past_lens, slots, p = [3, 1, 2], [4, 7, 0], [3, 0, 4], 8
+    pack, unpack = make_packed_index(query_lens)
+    past = [[torch.randn(p, 5, 2, 24, generator=g) for _ in range(2)] for _ in range(2)]
+    batch = PackedBatch(torch.randint(0, 97, (6,), generator=g),
+                        torch.tensor([q0 + j for n, q0 in zip(query_lens, past_lens) for j in range(n)]), pack, unpack,
+                        torch.tensor(query_lens), torch.tensor(past_lens), torch.tensor(slots), past[0], past[1])
+    with torch.no_grad():
+        (h, ks, vs), (fh, fks, fvs) = dec.forward_packed(batch), fused.forward_packed(batch)
+    assert (h - fh).abs().max() <= 1e-5
+    assert max((a - b).abs().max() for a, b in zip(ks + vs, fks + fvs)) <= 1e-5
+    with pytest.raises(DsparkError, match="no auxiliary hidden-state outputs"):
+        fused.forward_packed(batch, aux_layers=(1,))
+
+
+@pytest.mark.slow
 def test_qwen3_gqa_pair_fused_matches_standard(tmp_path):
     """Grouped-query attention (4 heads over 2 KV heads) with q/k norms, through the whole export."""
     from conftest import make_pair
