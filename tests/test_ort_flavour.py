@@ -199,6 +199,14 @@ def test_manifest_records_and_hashes_the_flavour(tiny_artifact, tmp_path):
     assert any(p.startswith("graphs.target.ort.flavour") for p in problems)
 
 
+def test_memory_plan_counts_the_weights_once(tiny_artifact):
+    from dspark_trt.runtime.memory_plan import weight_bytes
+
+    m = json.loads((tiny_artifact / "manifest.json").read_text())
+    standard = sum((tiny_artifact / m["graphs"][g]["file"]).stat().st_size for g in ("draft", "target"))
+    assert weight_bytes(tiny_artifact, m) == standard
+
+
 def test_an_artifact_without_the_flavour_loads_the_standard_graphs(tiny_artifact, tmp_path, monkeypatch):
     """What an export from before the flavour existed (or with --ort-flavour none) looks like."""
     art = tmp_path / "old"
