@@ -131,14 +131,14 @@ def main():
 
     from dspark_trt.bench.prompts import corpus_prompts
     from dspark_trt.runtime import Runtime
-    from dspark_trt.runtime.backends.ort import graph_file, open_session
+    from dspark_trt.runtime.backends.ort import graph_file, open_session, session_options
 
     rt = Runtime.load(args.artifact, backend="ort", profile="auto")
     rt._ensure_worker = lambda: None  # steps run here, in this thread
     be, acc = rt.backend, defaultdict(float)
     flavours = {}
     for flavour in ("standard", "auto"):
-        sessions = {g: open_session(Path(args.artifact) / graph_file(rt.manifest, g, flavour), be.options)
+        sessions = {g: open_session(Path(args.artifact) / graph_file(rt.manifest, g, flavour), session_options())
                     for g in ("draft", "target")}
         flavours["fused" if flavour == "auto" else flavour] = {g: _Timed(s, acc, "ort_" + g) for g, s in sessions.items()}
     if graph_file(rt.manifest, "target") == graph_file(rt.manifest, "target", "standard"):

@@ -73,7 +73,6 @@ class OrtBackend:
                               "bfloat16 inputs: run a bf16 artifact with --backend trt (or torch), or export "
                               "with --dtype fp16 / fp32 for ort")
         opts = session_options(threads)
-        self.options = opts
         self.sessions = {}
         self.outputs = {}
         self.files = {}
