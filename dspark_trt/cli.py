@@ -37,17 +37,22 @@ def cli(ctx: click.Context, debug: bool) -> None:
 @click.option("--dtype", default="fp32", type=click.Choice(["fp32", "fp16", "bf16"]), help="Precision of the exported graphs.")
 @click.option("--external-data", default="auto", type=click.Choice(["auto", "always", "never"]),
               help="Weights in <graph>.onnx.data beside each graph: auto = when a graph's weights exceed 1 GiB.")
+@click.option("--ort-flavour", default="fused", type=click.Choice(["fused", "none"]),
+              help="Also write draft.ort.onnx / target.ort.onnx, the graphs the ORT backend runs: fused = fewer "
+                   "nodes (ONNX Runtime contrib ops); none = ORT runs the standard graphs. TensorRT always builds "
+                   "from the standard graphs.")
 @click.option("--force", is_flag=True, help="Overwrite an existing artifact directory.")
 @click.option("--allow-large-draft", is_flag=True,
               help="Export even when the draft has more parameters, layers or hidden width than the target.")
-def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, external_data, force,
-           allow_large_draft):
+def export(target_dir, draft_dir, head_dir, out_dir, max_draft, max_batch, max_context, dtype, external_data,
+           ort_flavour, force, allow_large_draft):
     """Export target and draft to ONNX with dspark custom ops, plus a manifest."""
     from dspark_trt.exporter.export import export_artifacts
 
     out = export_artifacts(target_dir, draft_dir, out_dir, head_dir=head_dir, max_draft=max_draft,
                            max_batch=max_batch, max_context=max_context, dtype=dtype, overwrite=force,
-                           allow_large_draft=allow_large_draft, external_data=external_data)
+                           allow_large_draft=allow_large_draft, external_data=external_data,
+                           ort_flavour=ort_flavour)
     click.echo(f"wrote {out}")
 
 

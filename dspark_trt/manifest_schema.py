@@ -27,6 +27,8 @@ CONFIDENCE_MODES = ("head", "fallback")
 DRAFTER_KINDS = ("classic", "dspark")
 DSPARK_INT_FIELDS = ("num_draft", "query_len", "markov_rank", "draft_vocab_size")
 PLUGIN_MODES = ("aot", "jit", "none")
+# graphs.<graph>.ort.flavour: the ORT backend's own graph beside the standard one (exporter/ort_flavour.py).
+ORT_GRAPH_FLAVOURS = ("fused",)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CC = re.compile(r"^\d+\.\d+$")
 
@@ -162,6 +164,16 @@ def manifest_problems(d: dict) -> list[str]:
                 add(f"graphs.{g}.file: missing or not a string")
             elif files is not None and spec["file"] not in files:
                 add(f"graphs.{g}.file: {spec['file']!r} is not listed in manifest files (no hash recorded)")
+            ort = spec.get("ort")  # the ORT backend's flavour of this graph (exporter/ort_flavour.py), optional
+            if ort is not None:
+                if not isinstance(ort, dict) or not isinstance(ort.get("file"), str) or not ort.get("file"):
+                    add(f"graphs.{g}.ort: must be an object with file and flavour")
+                else:
+                    if files is not None and ort["file"] not in files:
+                        add(f"graphs.{g}.ort.file: {ort['file']!r} is not listed in manifest files (no hash recorded)")
+                    if ort.get("flavour") not in ORT_GRAPH_FLAVOURS:
+                        add(f"graphs.{g}.ort.flavour: {ort.get('flavour')!r}, expected one of "
+                            f"{', '.join(ORT_GRAPH_FLAVOURS)}")
             for kind in ("inputs", "outputs"):
                 ios = spec.get(kind)
                 if not isinstance(ios, list) or not ios:

@@ -71,13 +71,16 @@ def manifest_facts(target_dir, draft_dir, head_dir, temperatures, max_draft: int
 def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: int = 7, max_batch: int = 64,
                      max_context: int = 1024, dtype: str = "fp32", overwrite: bool = False,
                      debug_logits: bool = False, progress: bool = True, allow_large_draft: bool = False,
-                     external_data: str = "auto") -> Path:
-    """external_data: "auto" (weights over 1 GiB per graph go to `<graph>.onnx.data`), "always", "never"."""
+                     external_data: str = "auto", ort_flavour: str = "fused") -> Path:
+    """external_data: "auto" (weights over 1 GiB per graph go to `<graph>.onnx.data`), "always", "never".
+    ort_flavour: "fused" also writes the graphs the ORT backend runs (exporter/ort_flavour.py; not for bf16,
+    which ORT does not run), "none" leaves ORT on the standard graphs."""
     import torch
     from tqdm import tqdm
 
     from dspark_trt.exporter.build_modules import load_steps
     from dspark_trt.exporter.onnx_export import export_draft, export_greedy_draft, export_target
+    from dspark_trt.exporter.ort_flavour import check_flavour, export_ort_graph, ort_file, record_ort_graph
     from dspark_trt.models.checkpoint import check_same_vocab, torch_dtype
     from dspark_trt.models.confidence_head import has_head
     from dspark_trt.models.config import load_config, sliding_window_problem
@@ -95,6 +98,8 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         head_dir = draft_dir
     if head_dir is not None and not Path(head_dir).is_dir():
         raise DsparkError(f"--head directory {head_dir} does not exist")
+    check_flavour(ort_flavour)
+    with_ort = ort_flavour == "fused" and dtype != "bf16"
     check_out_dir(out_dir, "--out")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DsparkError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
@@ -129,16 +134,25 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         bar.set_postfix_str("draft.onnx")
         written = export_draft(draft_step, tmp / "draft.onnx", max_batch, tdt, external_data)
         written += export_greedy_draft(draft_step, tmp / GREEDY_DRAFT_FILE, max_batch, tdt, external_data)
+        if with_ort:
+            for g in ("draft", GREEDY_DRAFT_GRAPH):
+                written += export_ort_graph(g, draft_step, tmp, max_batch, tdt, tcfg.vocab_size, max_context,
+                                            external_data)
         bar.update()
         bar.set_postfix_str("target.onnx")
         del draft_step  # free the draft's weights before tracing the target
         written += export_target(target_step, tmp / "target.onnx", max_batch, tdt, tcfg.vocab_size, external_data)
+        if with_ort:
+            written += export_ort_graph("target", target_step, tmp, max_batch, tdt, tcfg.vocab_size, max_context,
+                                        external_data)
         del target_step
         bar.update()
         bar.set_postfix_str("manifest")
         graphs = {"draft": {"file": "draft.onnx", **_io(tmp / "draft.onnx")},
                   GREEDY_DRAFT_GRAPH: {"file": GREEDY_DRAFT_FILE, **_io(tmp / GREEDY_DRAFT_FILE)},
                   "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
+        for g in graphs if with_ort else ():
+            record_ort_graph(graphs, g, _io(tmp / ort_file(g)))
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype,
                                   graphs=graphs)

@@ -87,9 +87,11 @@ def available_bytes() -> int | None:
 
 
 def weight_bytes(artifact_dir, manifest: dict) -> int:
+    """Bytes of the standard graph files; a backend loads one flavour of each graph, and the ORT flavour
+    (`<graph>.ort.onnx`, the same weights regrouped) is not counted twice."""
     files = manifest.get("files") or {}
     return sum(int(e.get("bytes", 0)) for name, e in files.items()
-               if name.endswith((".onnx", ".onnx.data")) and isinstance(e, dict))
+               if name.endswith((".onnx", ".onnx.data")) and ".ort.onnx" not in name and isinstance(e, dict))
 
 
 def plan_memory(manifest: dict, artifact_dir=None, max_batch: int | None = None, max_context: int | None = None,

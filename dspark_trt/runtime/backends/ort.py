@@ -20,27 +20,61 @@ def _providers(ort) -> list[str]:
     return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
 
 
+def graph_flavour() -> str:
+    """DSPARK_ORT_GRAPHS: "auto" (default: the artifact's ORT flavour where it has one) or "standard"
+    (the graphs TensorRT builds from; for comparisons)."""
+    flavour = os.environ.get("DSPARK_ORT_GRAPHS", "auto")
+    if flavour not in ("auto", "standard"):
+        raise DsparkError(f"DSPARK_ORT_GRAPHS={flavour!r}: use auto or standard")
+    return flavour
+
+
+def graph_file(manifest: dict, graph: str, flavour: str = "auto") -> str:
+    """The file ORT runs for `graph`: its ORT flavour (graphs.<graph>.ort, exporter/ort_flavour.py) when the
+    artifact has one, else the standard graph (artifacts exported before the flavour existed, or with
+    --ort-flavour none)."""
+    spec = manifest["graphs"][graph]
+    ort_spec = spec.get("ort") if flavour == "auto" else None
+    return ort_spec["file"] if isinstance(ort_spec, dict) else spec["file"]
+
+
+def open_session(path: Path, opts):
+    import onnxruntime as ort
+
+    if not path.is_file():
+        raise DsparkError(f"{path} is missing: re-export the artifact with `dspark-trt export`")
+    try:
+        return ort.InferenceSession(str(path), opts, providers=_providers(ort))
+    except Exception as e:  # ORT raises its own exception types
+        raise DsparkError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}") from None
+
+
+def session_options(threads: int | None = None):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    # Two sessions (draft, target) run alternately, each with its own intra-op pool. Spinning idle
+    # threads of one pool would steal the cores the other is about to use, so threads sleep when
+    # idle (measured here: about 1.7x faster engine steps when the sessions alternate).
+    spin = os.environ.get("DSPARK_ORT_SPIN", "0")
+    opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
+    opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
+    return opts
+
+
 class OrtBackend:
     name = "ort"
 
     def __init__(self, artifact_dir, manifest: dict, threads: int | None = None):
-        import onnxruntime as ort
-
         if manifest["model"].get("dtype") == "bf16":
             raise DsparkError("ONNX Runtime has no bfloat16 kernels for these graphs (MatMul) and no numpy "
                               "bfloat16 inputs: run a bf16 artifact with --backend trt (or torch), or export "
                               "with --dtype fp16 / fp32 for ort")
-        opts = ort.SessionOptions()
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        if threads:
-            opts.intra_op_num_threads = threads
-        # Two sessions (draft, target) run alternately, each with its own intra-op pool. Spinning idle
-        # threads of one pool would steal the cores the other is about to use, so threads sleep when
-        # idle (measured here: about 1.7x faster engine steps when the sessions alternate).
-        spin = os.environ.get("DSPARK_ORT_SPIN", "0")
-        opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
-        opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
+        opts = session_options(threads)
         self.sessions = {}
         self.outputs = {}
         # A DSpark drafter's graphs run in its own drafter phase (runtime/dspark_drafting.py).
@@ -48,14 +82,11 @@ class OrtBackend:
             graphs = ["target"]
         else:
             graphs = ["draft", "target"] + [g for g in OPTIONAL_GRAPHS if g in manifest["graphs"]]
+        self.files = {}
+        flavour = graph_flavour()
         for graph in graphs:
-            path = Path(artifact_dir) / manifest["graphs"][graph]["file"]
-            if not path.is_file():
-                raise DsparkError(f"{path} is missing: re-export the artifact with `dspark-trt export`")
-            try:
-                sess = ort.InferenceSession(str(path), opts, providers=_providers(ort))
-            except Exception as e:  # ORT raises its own exception types
-                raise DsparkError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}") from None
+            self.files[graph] = graph_file(manifest, graph, flavour)
+            sess = open_session(Path(artifact_dir) / self.files[graph], opts)
             self.sessions[graph] = sess
             self.outputs[graph] = [o.name for o in sess.get_outputs()]
         self.num_layers = {g: manifest["model" if g == "target" else "draft"]["num_layers"] for g in graphs}

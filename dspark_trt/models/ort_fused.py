@@ -1,0 +1,179 @@
+"""The ORT flavour of the packed decoder: the same math as `Decoder.forward_packed`, in fewer, fused nodes.
+
+ONNX Runtime's CPU kernels pay per node (about a third of a one-request target run is dispatch), and its
+own optimizer does not recognise this decoder's RMSNorm or rotary patterns. So this flavour, exported
+for the ORT backend only (TensorRT fuses by itself and keeps the standard graph), writes:
+- RMSNorm as `com.microsoft` SimplifiedLayerNormalization, and residual add + RMSNorm as
+  SkipSimplifiedLayerNormalization (one node instead of seven or eight);
+- q/k/v as one MatMul over concatenated weights, gate/up as another;
+- rotary embedding as `com.microsoft` RotaryEmbedding over cos/sin tables of the artifact's context;
+- attention over the past without concatenating it to the new entries: scores against the past and
+  against the new block are computed apart and joined (the scores are Lq*G wide, the past keys D wide,
+  so the copy that remains is the small one).
+Under export the contrib ops are single nodes (torch.onnx.ops.symbolic); in eager mode each one runs
+the equivalent torch, so the flavour can be checked against the plain decoder without ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark_trt.errors import DsparkError
+from dspark_trt.models.decoder import Decoder, PackedBatch, apply_rope
+
+MS = "com.microsoft"
+
+
+def _exporting() -> bool:
+    return torch.onnx.is_in_onnx_export()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _exporting():
+        return torch.onnx.ops.symbolic("::SimplifiedLayerNormalization", [x, weight],
+                                       attrs={"axis": -1, "epsilon": float(eps), "stash_type": 1},
+                                       dtype=x.dtype, shape=x.shape, version=1)
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """-> (rms_norm(x + residual), x + residual)."""
+    if _exporting():
+        out, _, _, total = torch.onnx.ops.symbolic_multi_out(
+            f"{MS}::SkipSimplifiedLayerNormalization", [x, residual, weight], attrs={"epsilon": float(eps)},
+            dtypes=[x.dtype, torch.float32, torch.float32, x.dtype],
+            shapes=[x.shape, [*x.shape[:-1], 1], [*x.shape[:-1], 1], x.shape], version=1)
+        return out, total
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+           num_heads: int) -> torch.Tensor:
+    """x [B, T, heads * D], positions [B, T], tables [max_positions, D / 2] -> x rotated (non-interleaved)."""
+    if _exporting():
+        return torch.onnx.ops.symbolic(f"{MS}::RotaryEmbedding", [x, positions, cos_table, sin_table],
+                                       attrs={"interleaved": 0, "num_heads": num_heads},
+                                       dtype=x.dtype, shape=x.shape, version=1)
+    cos = torch.cat([cos_table[positions]] * 2, dim=-1)[..., None, :]  # [B, T, 1, D]
+    sin = torch.cat([sin_table[positions]] * 2, dim=-1)[..., None, :]
+    return apply_rope(x.unflatten(-1, (num_heads, -1)), cos, sin).flatten(-2)
+
+
+class FusedAttention(nn.Module):
+    def __init__(self, attn):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        self.qkv = nn.Linear(qkv[0].in_features, sum(p.out_features for p in qkv), bias=qkv[0].bias is not None)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([p.weight for p in qkv]))
+            if self.qkv.bias is not None:
+                self.qkv.bias.copy_(torch.cat([p.bias for p in qkv]))
+        self.qkv.to(attn.q_proj.weight.dtype)
+        self.o_proj = attn.o_proj
+        self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+
+    def forward(self, x, batch: PackedBatch, layer: int, tables, mask):
+        h, kvh, d = self.n_heads, self.n_kv, self.head_dim
+        r, lq = batch.pack_index.shape
+        groups = h // kvh
+        pack = batch.pack_index
+        q, k, v = self.qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
+        if self.q_norm is not None:
+            q = rms_norm(q.unflatten(-1, (h, d)), self.q_norm.weight, self.q_norm.eps).flatten(-2)
+            k = rms_norm(k.unflatten(-1, (kvh, d)), self.k_norm.weight, self.k_norm.eps).flatten(-2)
+        # New keys rotated where they are packed (the cache's entries); queries rotated after padding.
+        k = rotary(k[None], batch.positions[None], *tables, kvh)[0]
+        q = rotary(q[pack], batch.positions[pack], *tables, h)  # [R, Lq, H * D]
+        # Past of the active slots, gathered once and read by MatMul in place of a transpose (ONNX Runtime
+        # folds the permutes into FusedMatMul): keys [R, KVH, D, P], values [R, KVH, P, D].
+        past_k = batch.past_keys[layer].index_select(1, batch.slot_ids).permute(1, 2, 3, 0)
+        past_v = batch.past_values[layer].index_select(1, batch.slot_ids).permute(1, 2, 0, 3)
+        p = past_v.shape[2]
+        # Query rows per KV head ordered (group, position): [R, KVH, G * Lq, D], pre-scaled.
+        qg = q.reshape(r, lq, h, d).transpose(1, 2).reshape(r, kvh, groups * lq, d) * (1.0 / math.sqrt(d))
+        new_k = k[pack].reshape(r, lq, kvh, d).permute(0, 2, 3, 1)  # [R, KVH, D, Lq]
+        new_v = v[pack].reshape(r, lq, kvh, d).transpose(1, 2)  # [R, KVH, Lq, D]
+        # Scores against the past and the new block apart: joining scores copies G*Lq columns, joining
+        # the keys would copy the whole past again.
+        scores = torch.cat([torch.matmul(qg, past_k), torch.matmul(qg, new_k)], dim=-1).float()
+        probs = torch.softmax(scores.masked_fill(~mask, torch.finfo(torch.float32).min), dim=-1).to(new_v.dtype)
+        out = torch.matmul(probs[..., :p], past_v) + torch.matmul(probs[..., p:], new_v)  # [R, KVH, G*Lq, D]
+        out = out.reshape(r, h, lq, d).transpose(1, 2).reshape(r * lq, h * d)
+        return self.o_proj(out[batch.unpack_index]), k.unflatten(-1, (kvh, d)), v.unflatten(-1, (kvh, d))
+
+
+class FusedMLP(nn.Module):
+    def __init__(self, mlp):
+        super().__init__()
+        self.inter = mlp.gate_proj.out_features
+        self.gate_up = nn.Linear(mlp.gate_proj.in_features, 2 * self.inter, bias=False)
+        with torch.no_grad():
+            self.gate_up.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        self.gate_up.to(mlp.gate_proj.weight.dtype)
+        self.down_proj = mlp.down_proj
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class FusedDecoder(nn.Module):
+    """`forward_packed` of a `Decoder` (same inputs, same outputs) in the ORT flavour; shares the
+    decoder's embedding, norms, output projections and lm_head, copies q/k/v and gate/up once."""
+
+    def __init__(self, decoder: Decoder, max_positions: int):
+        super().__init__()
+        cfg = decoder.config
+        self.config = cfg
+        self.embed_tokens = decoder.model.embed_tokens
+        self.lm_head = decoder.lm_head
+        self.eps = cfg.rms_norm_eps
+        self.attn = nn.ModuleList(FusedAttention(layer.self_attn) for layer in decoder.model.layers)
+        self.mlp = nn.ModuleList(FusedMLP(layer.mlp) for layer in decoder.model.layers)
+        self.norm_in = nn.ParameterList(layer.input_layernorm.weight for layer in decoder.model.layers)
+        self.norm_post = nn.ParameterList(layer.post_attention_layernorm.weight for layer in decoder.model.layers)
+        self.norm = decoder.model.norm
+        dtype = decoder.lm_head.weight.dtype
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * decoder.inv_freq[None, :]
+        # The same fp32 products as Decoder.rope, so each position's angles are bit-identical.
+        self.register_buffer("cos_table", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_table", freqs.sin().to(dtype), persistent=False)
+
+    def forward_packed(self, batch: PackedBatch, aux_layers=()):
+        if aux_layers:
+            raise DsparkError("the ORT-fused flavour has no auxiliary hidden-state outputs (DSpark drafters): "
+                              "export those graphs in the standard flavour")
+        x = self.embed_tokens(batch.tokens)
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        mask = _attention_mask(batch, x.device).repeat(1, 1, groups, 1)  # rows (group, position), as qg
+        tables = (self.cos_table, self.sin_table)
+        h = rms_norm(x, self.norm_in[0], self.eps)
+        new_keys, new_values = [], []
+        n = len(self.attn)
+        for i in range(n):
+            a, k, v = self.attn[i](h, batch, i, tables, mask)
+            h, x = add_rms_norm(a, x, self.norm_post[i], self.eps)
+            out_w = self.norm_in[i + 1] if i + 1 < n else self.norm.weight
+            h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
+            new_keys.append(k)
+            new_values.append(v)
+        return h, new_keys, new_values
+
+
+def _attention_mask(batch: PackedBatch, device) -> torch.Tensor:
+    """[R, 1, Lq, P+Lq], broadcast over KV heads: past position p is visible when p < past_len, new
+    position j to query i when j <= i < query_len."""
+    r, lq = batch.pack_index.shape
+    p = batch.past_keys[0].shape[0]
+    past_ok = torch.arange(p, device=device)[None, None, :] < batch.past_lens[:, None, None]  # [R, 1, P]
+    qi = torch.arange(lq, device=device)
+    new_ok = (qi[None, None, :] <= qi[None, :, None]) & (qi[None, None, :] < batch.query_lens[:, None, None])
+    mask = torch.cat([past_ok.expand(r, lq, p), new_ok], dim=2)  # [R, Lq, P+Lq]
+    return mask[:, None, :, :]
