@@ -171,9 +171,9 @@ def _generate(art, monkeypatch, graphs: str):
 
 def test_greedy_is_identical_with_either_flavour(tiny_artifact, monkeypatch):
     files, fused = _generate(tiny_artifact, monkeypatch, "auto")
-    assert files == {"draft": "draft.ort.onnx", "target": "target.ort.onnx"}
+    assert files == {"draft": "draft.ort.onnx", "draft_greedy": "draft_greedy.ort.onnx", "target": "target.ort.onnx"}
     std_files, std = _generate(tiny_artifact, monkeypatch, "standard")
-    assert std_files == {"draft": "draft.onnx", "target": "target.onnx"}
+    assert std_files == {"draft": "draft.onnx", "draft_greedy": "draft_greedy.onnx", "target": "target.onnx"}
     assert fused == std
     assert fused["adaptive"] == fused["off"]
 
@@ -203,7 +203,8 @@ def test_memory_plan_counts_the_weights_once(tiny_artifact):
     from dspark_trt.runtime.memory_plan import weight_bytes
 
     m = json.loads((tiny_artifact / "manifest.json").read_text())
-    standard = sum((tiny_artifact / m["graphs"][g]["file"]).stat().st_size for g in ("draft", "target"))
+    standard = sum((tiny_artifact / m["graphs"][g]["file"]).stat().st_size
+                   for g in ("draft", "draft_greedy", "target"))  # the greedy draft is a session of its own
     assert weight_bytes(tiny_artifact, m) == standard
 
 
@@ -212,12 +213,12 @@ def test_an_artifact_without_the_flavour_loads_the_standard_graphs(tiny_artifact
     art = tmp_path / "old"
     shutil.copytree(tiny_artifact, art)
     data = json.loads((art / "manifest.json").read_text())
-    for graph in ("draft", "target"):
+    for graph in ("draft", "draft_greedy", "target"):
         data["files"].pop(data["graphs"][graph].pop("ort")["file"])
         (art / f"{graph}.ort.onnx").unlink()
     (art / "manifest.json").write_text(json.dumps(data))
     files, old = _generate(art, monkeypatch, "auto")
-    assert files == {"draft": "draft.onnx", "target": "target.onnx"}
+    assert files == {"draft": "draft.onnx", "draft_greedy": "draft_greedy.onnx", "target": "target.onnx"}
     assert old == _generate(tiny_artifact, monkeypatch, "auto")[1]
 
 
