@@ -3,6 +3,8 @@ mode, the drafter's context cache holds exactly the verified tokens, and the ref
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -159,3 +161,20 @@ def test_generate_compare_on_a_dspark_artifact(artifact, tmp_path):
     assert summary["identical_to_off"] is True and summary["output_tokens"] > 0
     # the cost profile was measured at load (and saved, unless the machine was too busy for a steady one)
     assert (art / "cost_profile.json").is_file() or "cost profile not saved" in out.stderr
+
+
+def test_a_request_that_does_not_draft_costs_no_context_call(artifact):
+    """Verified rows wait for the step their request drafts: where drafting does not pay (draft calls far
+    dearer than a step, no room to explore), generation runs no context-graph call at all."""
+    rt = Runtime.load(artifact, profile="none")
+    rt.cost = CostTable(np.r_[0.0, 1.0 + 0.001 * np.arange(200)], np.r_[0.0, np.full(16, 1e6)], bounds=(1.0, 1.0))
+    runs = []
+    context = rt.drafter.drafting.context
+    rt.drafter.drafting.context = SimpleNamespace(run=lambda *a: runs.append(1) or context.run(*a))
+    try:
+        (res,) = rt.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=24, spec="adaptive", stop_at_eos=False))
+        (ref,) = rt.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=24, spec="off", stop_at_eos=False))
+    finally:
+        rt.close()
+    assert res.token_ids == ref.token_ids and res.stats["drafted_tokens"] == 0
+    assert runs == []

@@ -20,6 +20,8 @@ from dspark_trt.runtime.phases.drafter import Draft, DraftRound
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.config import fixed_k_limit
 
+PENDING_MAX = 64  # verified rows a slot may hold back before they enter the context cache anyway
+
 __all__ = ["DsparkDrafter"]
 
 
@@ -33,6 +35,7 @@ class DsparkDrafter:
         self.max_draft, self.max_context, _ = limits
         self.correction, self.costs, self.metrics = correction, costs, metrics
         self.spec_limit = fixed_k_limit("dspark", self.max_draft)
+        self._pending: dict[int, list[tuple[np.ndarray, int]]] = {}  # slot -> verified aux rows not yet in the cache
 
     def cap(self, r: Request, depth: int) -> int:
         """Most drafts request r gets this step: fixed:K -> K; adaptive -> the whole block when the depth
@@ -75,6 +78,7 @@ class DsparkDrafter:
     def _block(self, reqs: list[Request]):
         """One block pass; anchors are the requests' last tokens, at position context length = target_len."""
         slots = [r.slot for r in reqs]
+        self._flush(slots)
         anchors = [r.tokens[-1] for r in reqs]
         if not any(r.sampling for r in reqs):
             return self.drafting.draft(slots, anchors)
@@ -83,22 +87,39 @@ class DsparkDrafter:
         return self.drafting.draft(slots, anchors, temps, uniforms)
 
     def observe(self, batch, result) -> None:
-        """After commit: the verified tokens' aux rows join their request's draft context."""
+        """After commit: the verified tokens' aux rows join their request's draft context, lazily.
+
+        Rows wait in a per-slot queue and enter the context cache in one batched context call just before
+        the slot drafts (or once PENDING_MAX rows wait): a request that does not draft for a while (high
+        load, where plain decoding wins) costs no context call per step."""
         if result.aux is None:
             return
-        items = []
         nd = len(batch.decode)
         for i, r in enumerate(result.order):
             if r.mode.kind == "off":
                 continue  # it never drafts: no context to keep
             if r.finished:
                 self.drafting.release(r.slot)
+                self._pending.pop(r.slot, None)
                 continue
             if i < nd:
                 kept = 1 + int(min(result.accepted[i], result.verify_lens[i]))  # the anchor and the accepted drafts
             else:
                 kept = result.query_lens[i]  # a prompt chunk: all of it
-            items.append((r.slot, result.aux[i][:kept], result.past_lens[i]))
+            if kept:
+                start, queue = int(result.past_lens[i]), self._pending.setdefault(r.slot, [])
+                if queue and queue[-1][1] + queue[-1][0].shape[0] != start:
+                    queue.clear()  # rows of an earlier request on this slot (cancelled between steps)
+                queue.append((result.aux[i][:kept], start))
+        self._flush([s for s, q in self._pending.items() if sum(a.shape[0] for a, _ in q) >= PENDING_MAX])
+
+    def _flush(self, slots) -> None:
+        """Write the waiting rows of `slots` into the context cache (one context-graph call)."""
+        items = []
+        for slot in slots:
+            queue = self._pending.pop(slot, None)
+            if queue:  # contiguous segments: one item per slot
+                items.append((slot, np.concatenate([a for a, _ in queue]), queue[0][1]))
         self.drafting.observe_many(items)
 
     def prepare_call(self, batch: int, past: int):
