@@ -63,6 +63,7 @@ def test_swapped_pair_is_refused_saying_which_is_which(tmp_path):
     assert not (tmp_path / "art").exists()
 
 
+@pytest.mark.slow  # ~40-70 s: whole exports (default suite time)
 def test_allow_large_draft_exports_a_swapped_pair(tmp_path):
     from dspark_trt.exporter.export import export_artifacts
 
@@ -74,6 +75,7 @@ def test_allow_large_draft_exports_a_swapped_pair(tmp_path):
     assert json.loads((out / "manifest.json").read_text())["draft"]["num_layers"] == 2
 
 
+@pytest.mark.slow  # ~40-70 s: whole exports (default suite time)
 def test_killed_export_is_cleaned_by_the_next_one_which_has_normal_permissions(tiny_pair, tmp_path):
     from dspark_trt.exporter.export import export_artifacts
 

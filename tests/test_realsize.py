@@ -108,6 +108,7 @@ def test_eos_list_special_tokens_and_chat_template_are_carried(external_artifact
 
 # ------------------------------------------------------------------------------------- precisions
 
+@pytest.mark.slow  # ~40-70 s: whole exports (default suite time)
 def test_fp16_export_keeps_fp16_kv_and_generates_losslessly(tmp_path):
     pair = make_pair(tmp_path / "pair")
     art = _export(pair, tmp_path / "art", dtype="fp16")
@@ -117,6 +118,7 @@ def test_fp16_export_keeps_fp16_kv_and_generates_losslessly(tmp_path):
     assert _lossless(art, specs=("fixed:2",)) == np.float16
 
 
+@pytest.mark.slow  # ~40-70 s: whole exports (default suite time)
 def test_sharded_bf16_checkpoint_exports_bf16_which_ort_refuses_and_torch_runs(tmp_path):
     from dspark_trt.models.checkpoint import load_decoder
     from dspark_trt.runtime import Runtime
@@ -219,6 +221,7 @@ def test_qwen2_sliding_window_exports_only_while_the_context_fits_the_window(tmp
 
 # ------------------------------------------------------------------------------------- large vocabulary
 
+@pytest.mark.slow  # ~40-70 s: whole exports (default suite time)
 def test_llama3_vocab_128256_exports_and_generates_losslessly(tmp_path):
     pair = make_pair(tmp_path / "pair", vocab=128256)
     art = _export(pair, tmp_path / "art", max_batch=2)
