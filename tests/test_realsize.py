@@ -221,7 +221,6 @@ def test_qwen2_sliding_window_exports_only_while_the_context_fits_the_window(tmp
 
 # ------------------------------------------------------------------------------------- large vocabulary
 
-@pytest.mark.slow  # ~40-70 s: whole exports (default suite time)
 def test_llama3_vocab_128256_exports_and_generates_losslessly(tmp_path):
     pair = make_pair(tmp_path / "pair", vocab=128256)
     art = _export(pair, tmp_path / "art", max_batch=2)
