@@ -11,6 +11,8 @@ import numpy as np
 from dspark_trt.errors import DsparkError
 from dspark_trt.manifest_schema import GREEDY_DRAFT_GRAPH, OPTIONAL_GRAPHS
 
+GREEDY_TARGET = "target_greedy"  # the target's all-greedy twin, derived at load (backends/ort_greedy.py)
+
 
 def _providers(ort) -> list[str]:
     wanted = os.environ.get("DSPARK_ORT_PROVIDERS")
@@ -91,13 +93,39 @@ class OrtBackend:
             self.outputs[graph] = [o.name for o in sess.get_outputs()]
         self.num_layers = {g: manifest["model" if g == "target" else "draft"]["num_layers"] for g in graphs}
         self.has_greedy_draft = GREEDY_DRAFT_GRAPH in self.sessions
+        self._open_greedy_target(Path(artifact_dir), opts)
         self.calls = Counter()  # runs per graph (which graph ran is a fact tests and metrics can read)
+
+    def _open_greedy_target(self, artifact_dir: Path, opts) -> None:
+        """The target's all-greedy twin (backends/ort_greedy.py), for targets whose weights are inline."""
+        from dspark_trt.runtime.backends import ort_greedy
+
+        self.greedy_inputs = None
+        path = artifact_dir / self.files["target"]
+        if not ort_greedy.wanted() or Path(f"{path}.data").exists():
+            return
+        import onnxruntime as ort
+
+        twin = ort_greedy.greedy_twin_bytes(path)
+        if twin is None:
+            return
+        try:
+            sess = ort.InferenceSession(twin, opts, providers=_providers(ort))
+        except Exception as e:  # ORT raises its own exception types
+            raise DsparkError(f"ONNX Runtime cannot load the all-greedy twin of {path}: "
+                              f"{str(e).splitlines()[0]}") from None
+        self.sessions[GREEDY_TARGET] = sess
+        self.outputs[GREEDY_TARGET] = [o.name for o in sess.get_outputs()]
+        self.num_layers[GREEDY_TARGET] = self.num_layers["target"]
+        self.greedy_inputs = {i.name for i in sess.get_inputs()}
 
     def _run(self, graph: str, feeds: dict, past: list[np.ndarray]):
         self.calls[graph] += 1
         n = self.num_layers[graph]
         names = [f"past_key_values.{i}.{kv}" for i in range(n) for kv in ("key", "value")]
         feeds = dict(feeds, **dict(zip(names, past)))
+        if graph == GREEDY_TARGET:
+            feeds = {k: v for k, v in feeds.items() if k in self.greedy_inputs}
         outs = self.sessions[graph].run(None, feeds)
         named = dict(zip(self.outputs[graph], outs))
         present = [named.pop(f"present.{i}.{kv}") for i in range(n) for kv in ("key", "value")]
@@ -112,4 +140,7 @@ class OrtBackend:
         return self._run(GREEDY_DRAFT_GRAPH, feeds, past)
 
     def run_target(self, feeds, past):
+        """The verify/prefill step; calls with no sampling row run the all-greedy twin where there is one."""
+        if self.greedy_inputs is not None and not (np.asarray(feeds["temperature"]) > 0).any():
+            return self._run(GREEDY_TARGET, feeds, past)
         return self._run("target", feeds, past)
