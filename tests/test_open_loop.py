@@ -266,3 +266,25 @@ def test_quick_via_http_smoke_run_under_a_minute(tiny_artifact, tmp_path):
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     md = (out / "results.md").read_text()
     assert "## Goals" in md and "## Results" in md and (out / "server.log").is_file()
+
+
+def test_in_process_runs_record_what_the_runtime_decided_and_predicted(tiny_artifact):
+    """tau and the predicted/measured sums (issue 22's explain fields) per (rate, mode), in process."""
+    from collections import namedtuple
+
+    from dspark_trt.bench.inprocess import run_inprocess
+    from dspark_trt.bench.open_loop import _spec_stats
+    from dspark_trt.runtime import Runtime
+
+    Item = namedtuple("Item", "ids kind temperature max_tokens seed")
+    items = [Item([5 + i, 7, 9, 11], "code", t, 12, i) for i, t in enumerate((0.0, 0.0, 1.0))]
+    with Runtime.load(tiny_artifact) as rt:
+        records, wall = run_inprocess(rt, items, [0.0, 0.01, 0.02], "fixed:2")
+    assert wall > 0 and all(r["ok"] and r["generated_tokens"] == 12 for r in records)
+    assert all(r["spec"]["generated"] == 12 and r["spec"]["steps"] >= 1 for r in records)
+    stats = _spec_stats(records)
+    steps = sum(r["spec"]["steps"] for r in records)
+    assert stats["tau"] == pytest.approx(3 * 11 / steps) and 1.0 <= stats["tau"] <= 3.0  # fixed:2: at most 3 a step
+    assert 0 <= stats["accepted"] <= 2 * steps and stats["predicted_accepted"] > 0
+    assert stats["measured_step_ms"] > 0 and stats["predicted_step_ms"] > 0
+    assert _spec_stats([{k: v for k, v in r.items() if k != "spec"} for r in records]) == {}  # over HTTP

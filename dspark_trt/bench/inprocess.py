@@ -40,6 +40,11 @@ def run_inprocess(rt, items, arrivals, mode: str, poll_s: float = 0.002) -> tupl
             rec["token_counts"].append(len(ids))
             n += len(ids)
         rec["generated_tokens"] = n
+        st = req.stats
+        # What the runtime decided and predicted for this request (summed per (rate, mode) in open_loop._entry).
+        rec["spec"] = {"steps": st.steps, "generated": st.generated, "predicted_accepted": st.predicted_accepted,
+                       "accepted": st.accepted, "predicted_step_ms": st.predicted_step_ms,
+                       "measured_step_ms": st.measured_step_ms}
         rec["ok"] = req.finish_reason not in ("error", "cancelled", None) and not req.error
         rec["error"] = req.error or (None if rec["ok"] else f"finished: {req.finish_reason}")
 

@@ -201,9 +201,23 @@ def _entry(rate, label, mode, runs, cap, slo_ttft, slo_tpot) -> dict:
     e["round_load_avg_1m"] = [x for _, _, x in runs]
     e["send_lag_ms_p99"] = float(np.percentile([(r["sent_s"] - r["arrival_s"]) * 1e3 for r in records
                                                 if r["sent_s"] is not None] or [0.0], 99))
+    e.update(_spec_stats(records))
     e["by_temperature"] = _groups(records, "temperature")
     e["by_kind"] = _groups(records, "kind")
     return e
+
+
+def _spec_stats(records) -> dict:
+    """In process only: tau (tokens a decode step emitted per request) and the runtime's predicted vs
+    measured sums (accepted drafts, step ms; runtime/explain.py) over the requests that finished."""
+    spec = [r["spec"] for r in records if r.get("spec") and r["ok"]]
+    if not spec:
+        return {}
+    steps = sum(s["steps"] for s in spec)
+    out = {"tau": sum(max(0, s["generated"] - 1) for s in spec) / steps if steps else None}
+    for k in ("predicted_accepted", "accepted", "predicted_step_ms", "measured_step_ms"):
+        out[k] = float(sum(s[k] for s in spec))
+    return out
 
 
 def _groups(records, key) -> dict:

@@ -80,13 +80,13 @@ def render_open(result: dict) -> str:
     L += [f"- {n}" for n in result.get("notes", [])] + ([""] if result.get("notes") else [])
     L += ["## Results (latencies in ms, p50 / p90 / p99)", "",
           "| rate req/s | load | mode | output tok/s | whole run | req/s | TTFT | TPOT | ITL | queue wait | completed "
-          "| failed | goodput req/s | in SLO |", "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|"]
+          "| failed | goodput req/s | in SLO | tau |", "|---:|---:|---|---:|---:|---:|---|---|---|---|---:|---:|---:|---:|---:|"]
     for e in result["open_loop"]:
         L.append(f"| {e['rate']:.2f} | {_fmt(e.get('load'), '.2f')} | {e['mode']} | {_fmt(e['output_tok_s'])} "
                  f"| {_fmt(e.get('output_tok_s_whole_run'))} "
                  f"| {_fmt(e['req_s'], '.2f')} | {_p(e['ttft_ms'], '.0f')} | {_p(e['tpot_ms'])} | {_p(e['itl_ms'])} "
                  f"| {_p(e['queue_wait_ms'], '.0f')} | {e['completed']} | {e['failed']} | {_fmt(e['goodput'], '.2f')} "
-                 f"| {_fmt(e.get('goodput_frac'), '.0%')} |")
+                 f"| {_fmt(e.get('goodput_frac'), '.0%')} | {_fmt(e.get('tau'), '.2f')} |")
     L += ["", "## Goals (adaptive against the baselines measured in the same run)", "",
           f"| rate req/s | load | TPOT p50 / best ({TPOT_GOAL}) | best | TTFT p99 / off ({TTFT_GOAL}) "
           f"| tok/s / best ({TOK_GOAL}, overloaded only) | best |" + (" temp 1.0: tok/s / off, TPOT / off |"
@@ -115,6 +115,9 @@ DEFINITIONS = """\
   (schedule start to the last answer). **req/s**: completed requests / whole-run time. **goodput**:
   completed requests meeting both SLOs per second of whole-run time; **in SLO**: their share of all
   requests sent. **load**: rate / the measured capacity (mode off, see results.json `capacity`).
+- **tau** (in process only): tokens a decode step emitted per request. results.json also carries the
+  runtime's `predicted_accepted` / `accepted` drafts and `predicted_step_ms` / `measured_step_ms`, summed
+  over requests (each request's share of the steps it decoded in).
 """
 
 
