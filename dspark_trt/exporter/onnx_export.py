@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
 from pathlib import Path
 
@@ -109,6 +110,8 @@ def _export(module, args, input_names, output_names, num_layers, path: Path, ext
         outs = list(output_names[:2]) + kv_names(num_layers, "present") + list(output_names[2:])
     else:
         outs = list(output_names) + kv_names(num_layers, "present")
+    # torch.onnx logs "torchvision is not installed. Skipping torchvision::..." on every export: noise here.
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=outs,
