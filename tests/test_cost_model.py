@@ -9,12 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.runtime.costs.table import (
-    CostTable,
-    isotonic_increasing,
-    measurement_points,
-    profile_points,
-)
+from dspark_trt.runtime.costs.measure import profile_points
+from dspark_trt.runtime.costs.table import CostTable, isotonic_increasing, measurement_points
 from dspark_trt.runtime.solver import solve_budget
 
 META = {"backend": "trt", "files": {"target.onnx": "ab" * 32, "draft.onnx": "cd" * 32}}

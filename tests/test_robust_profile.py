@@ -12,7 +12,8 @@ import pytest
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.costs import profiling
-from dspark_trt.runtime.costs.table import CostTable, drop_outliers, profile_points, relative_spread
+from dspark_trt.runtime.costs.measure import drop_outliers, profile_points, relative_spread
+from dspark_trt.runtime.costs.table import CostTable
 from dspark_trt.runtime.tuning import RuntimeTuning
 
 

@@ -75,7 +75,8 @@ def _draft_call(rt, batch: int):
 def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: int | None = None,
             max_batch: int | None = None):
     """Time rt's engines (a Runtime: its backend, caches, limits and tuning.profile) into a CostTable."""
-    from dspark_trt.runtime.costs.table import CostTable, profile_points
+    from dspark_trt.runtime.costs.measure import profile_points
+    from dspark_trt.runtime.costs.table import CostTable
 
     max_tokens = max_tokens or min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     max_batch = max_batch or rt.slots_total
