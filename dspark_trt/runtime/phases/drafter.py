@@ -17,7 +17,12 @@ from dspark_trt.runtime.batch import pack_queries, token_slots
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
-__all__ = ["Draft", "DraftRound", "Drafter"]
+__all__ = ["Draft", "DraftRound", "Drafter", "draft_room"]
+
+
+def draft_room(r: Request, max_context: int) -> int:
+    """Drafts request r has room for: the target always adds one token, within its answer and the context."""
+    return min(r.remaining() - 1, max_context - len(r.tokens) - 1)
 
 
 class Draft(NamedTuple):
@@ -58,9 +63,7 @@ class Drafter:
     def cap(self, r: Request, depth: int) -> int:
         """Most tokens request r drafts this step."""
         k = r.mode.k if r.mode.kind == "fixed" else min(self.max_draft, depth)
-        room_new = r.remaining() - 1  # the target always adds one token
-        room_ctx = self.max_context - len(r.tokens) - 1
-        return max(0, min(k, room_new, room_ctx))
+        return max(0, min(k, draft_room(r, self.max_context)))
 
     def draft(self, batch, depth, cost) -> DraftRound:
         spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]

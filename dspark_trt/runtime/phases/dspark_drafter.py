@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from dspark_trt.runtime.phases.drafter import Draft, DraftRound
+from dspark_trt.runtime.phases.drafter import Draft, DraftRound, draft_room
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.config import fixed_k_limit
 
@@ -41,9 +41,7 @@ class DsparkDrafter:
         """Most drafts request r gets this step: fixed:K -> K; adaptive -> the whole block when the depth
         planner drafts at all (the block costs the same at any depth; the budget solver picks the prefix)."""
         k = r.mode.k if r.mode.kind == "fixed" else (self.max_draft if depth > 0 else 0)
-        room_new = r.remaining() - 1  # the target always adds one token
-        room_ctx = self.max_context - len(r.tokens) - 1
-        return max(0, min(k, room_new, room_ctx))
+        return max(0, min(k, draft_room(r, self.max_context)))
 
     def draft(self, batch, depth, cost) -> DraftRound:
         spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
