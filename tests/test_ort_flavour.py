@@ -124,8 +124,11 @@ def test_fused_decoder_computes_the_packed_decoder_in_torch(arch, extra):
         (h, ks, vs), (fh, fks, fvs) = dec.forward_packed(batch), fused.forward_packed(batch)
     assert (h - fh).abs().max() <= 1e-5
     assert max((a - b).abs().max() for a, b in zip(ks + vs, fks + fvs)) <= 1e-5
-    with pytest.raises(DsparkError, match="no auxiliary hidden-state outputs"):
-        fused.forward_packed(batch, aux_layers=(1,))
+    with torch.no_grad():  # a DSpark drafter's capture points: embeddings, a middle layer, the last layer
+        aux, faux = dec.forward_packed(batch, aux_layers=(0, 2, 1))[-1], fused.forward_packed(batch, (0, 2, 1))[-1]
+    assert faux.shape == (6, 3 * 64) and (aux - faux).abs().max() <= 1e-5
+    with pytest.raises(DsparkError, match="capture point 3 is outside"):
+        fused.forward_packed(batch, aux_layers=(3,))
 
 
 @pytest.mark.slow
@@ -231,3 +234,30 @@ def test_flavour_choices_are_checked(tiny_pair, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_ORT_GRAPHS", "fast")
     with pytest.raises(DsparkError, match="DSPARK_ORT_GRAPHS='fast'"):
         graph_flavour()
+
+
+# ------------------------------------------------------------------ DSpark artifacts: the target's ORT flavour
+@pytest.fixture(scope="module")
+def dspark_artifact(tmp_path_factory):
+    from tests.dspark_fixtures import ARTIFACT_VARIANTS, cached_artifact
+
+    return cached_artifact(tmp_path_factory, "full", **ARTIFACT_VARIANTS["full"])
+
+
+def test_dspark_target_flavour_matches_the_standard_graph_aux_outputs_included(dspark_artifact):
+    from dspark_trt.manifest import Manifest
+
+    m = Manifest.load(dspark_artifact)
+    assert m.graphs["target"]["ort"] == {"file": "target_aux.ort.onnx", "flavour": "fused"}
+    assert m.files["target_aux.ort.onnx"]["sha256"] and m.verify_hashes() == []
+    assert "aux_hidden" in [o["name"] if isinstance(o, dict) else o for o in m.graphs["target"]["outputs"]]
+    assert target_parity(dspark_artifact) <= 1e-4
+
+
+def test_dspark_greedy_is_identical_with_either_target_flavour(dspark_artifact, monkeypatch):
+    files, fused = _generate(dspark_artifact, monkeypatch, "auto")
+    assert files == {"target": "target_aux.ort.onnx"}
+    std_files, std = _generate(dspark_artifact, monkeypatch, "standard")
+    assert std_files == {"target": "target_aux.onnx"}
+    assert fused == std
+    assert fused["adaptive"] == fused["off"]

@@ -23,12 +23,15 @@ CONTEXT_GRAPH = "dspark_context"
 
 
 def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
-                           overwrite: bool = False, progress: bool = False) -> Path:
+                           overwrite: bool = False, progress: bool = False, ort_flavour: str = "fused") -> Path:
+    """ort_flavour "fused" also writes the target's ORT flavour (`target_aux.ort.onnx`, exporter/ort_flavour.py);
+    the drafter's graphs have one flavour."""
     from tqdm import tqdm
 
     from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
                                                    export_target_with_aux)
     from dspark_trt.exporter.export import _io, plan_dims
+    from dspark_trt.exporter.ort_flavour import check_flavour, ort_file, record_ort_graph
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
     from dspark_trt.manifest import Manifest
     from dspark_trt.models.checkpoint import load_decoder
@@ -36,6 +39,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 
     target_dir, draft_dir, out_dir = Path(target_dir), Path(draft_dir), Path(out_dir)
+    check_flavour(ort_flavour)
     check_out_dir(out_dir, "--out")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DsparkError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
@@ -59,6 +63,11 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     try:
         bar.set_postfix_str(TARGET_FILE)
         export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch)
+        written = [TARGET_FILE]
+        if ort_flavour == "fused":
+            written.append(ort_file(TARGET_FILE.removesuffix(".onnx")))
+            export_target_with_aux(target, cfg.aux_layers, tmp / written[-1], num_slots=max_batch,
+                                   ort_fused_positions=max_context)
         del target
         bar.update()
         bar.set_postfix_str("DSpark drafter graphs")
@@ -86,8 +95,10 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                     "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
                     "draft_sample": {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
                     CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}})
+        if ort_flavour == "fused":
+            record_ort_graph(manifest["graphs"], "target", _io(tmp / written[-1]), file=written[-1])
         manifest["sources"] = {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None}
-        for name in (DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, CONTEXT_FILE, *tokenizer["files"]):
+        for name in (DRAFT_FILE, SAMPLE_FILE, *written, CONTEXT_FILE, *tokenizer["files"]):
             manifest.record_file(tmp, name)
         manifest.save(tmp)
         bar.update()

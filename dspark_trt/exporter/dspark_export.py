@@ -187,12 +187,18 @@ class DsparkTargetStep(nn.Module):
         return (accepted, next_token, *present, aux)
 
 
-def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int) -> Path:
-    """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export)."""
+def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int, ort_fused_positions: int = 0) -> Path:
+    """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export).
+    ort_fused_positions > 0: its ORT flavour instead (models/ort_fused.py, rotary tables that long)."""
     from dspark_trt.exporter import onnx_export as ox
     from dspark_trt.manifest import TARGET_INPUTS, TARGET_OUTPUTS, kv_names
 
-    step = DsparkTargetStep(decoder.float().eval(), aux_layers)
+    decoder = decoder.float().eval()
+    if ort_fused_positions:
+        from dspark_trt.models.ort_fused import FusedDecoder
+
+        decoder = FusedDecoder(decoder, ort_fused_positions).eval()
+    step = DsparkTargetStep(decoder, aux_layers)
     ex = ox._packed_examples(num_slots)
     vl, ql = ox.EX_VERIFY_LENS, ox.EX_QUERY_LENS
     m = sum(v + 1 for v in vl)

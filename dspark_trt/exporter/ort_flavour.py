@@ -39,13 +39,14 @@ def export_ort_graph(graph: str, step, out_dir: Path, num_slots: int, dtype, voc
     return export_target(twin, path, num_slots, dtype, vocab, external_data)
 
 
-def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused") -> None:
-    """Add graphs[graph]["ort"] after checking the flavour's I/O is the standard graph's, name for name."""
+def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused", file: str | None = None) -> None:
+    """Add graphs[graph]["ort"] after checking the flavour's I/O is the standard graph's, name for name.
+    file: the flavour's file when it is not ort_file(graph)."""
     std = {k: graphs[graph][k] for k in ("inputs", "outputs")}
     if io != std:
         raise DsparkError(f"the ORT flavour of the {graph} graph changed its inputs or outputs: this is a bug "
                           f"in dspark_trt/models/ort_fused.py (export with --ort-flavour none meanwhile)")
-    graphs[graph]["ort"] = {"file": ort_file(graph), "flavour": flavour}
+    graphs[graph]["ort"] = {"file": file or ort_file(graph), "flavour": flavour}
 
 
 def check_flavour(flavour: str) -> None:

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark_trt.errors import DsparkError
 from dspark_trt.models.decoder import Decoder, PackedBatch, apply_rope
 
 MS = "com.microsoft"
@@ -140,6 +139,7 @@ class FusedDecoder(nn.Module):
         self.norm_in = nn.ParameterList(layer.input_layernorm.weight for layer in decoder.model.layers)
         self.norm_post = nn.ParameterList(layer.post_attention_layernorm.weight for layer in decoder.model.layers)
         self.norm = decoder.model.norm
+        self.check_aux_layers = decoder.check_aux_layers
         dtype = decoder.lm_head.weight.dtype
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * decoder.inv_freq[None, :]
         # The same fp32 products as Decoder.rope, so each position's angles are bit-identical.
@@ -147,10 +147,11 @@ class FusedDecoder(nn.Module):
         self.register_buffer("sin_table", freqs.sin().to(dtype), persistent=False)
 
     def forward_packed(self, batch: PackedBatch, aux_layers=()):
-        if aux_layers:
-            raise DsparkError("the ORT-fused flavour has no auxiliary hidden-state outputs (DSpark drafters): "
-                              "export those graphs in the standard flavour")
+        """As Decoder.forward_packed, auxiliary hidden states included (the residual stream after k layers,
+        which SkipSimplifiedLayerNormalization hands out as its sum output)."""
+        aux_layers = self.check_aux_layers(aux_layers)
         x = self.embed_tokens(batch.tokens)
+        captured = {0: x} if 0 in aux_layers else {}
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         mask = _attention_mask(batch, x.device).repeat(1, 1, groups, 1)  # rows (group, position), as qg
         tables = (self.cos_table, self.sin_table)
@@ -164,6 +165,10 @@ class FusedDecoder(nn.Module):
             h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
             new_keys.append(k)
             new_values.append(v)
+            if i + 1 in aux_layers:
+                captured[i + 1] = x
+        if aux_layers:
+            return h, new_keys, new_values, torch.cat([captured[k] for k in aux_layers], dim=-1)
         return h, new_keys, new_values
 
 
