@@ -68,6 +68,8 @@ def test_request_latencies_count_from_the_scheduled_arrival():
     assert lat["itl"] == pytest.approx([100.0, 200.0]) and lat["queue"] == pytest.approx(50.0)
     one = request_latencies(rec(0.0, [0.1], tokens=1))
     assert one["tpot"] is None and one["itl"] == [] and one["queue"] is None
+    over_http = dict(rec(0.0, [0.1], tokens=1), queue_ms=12.5)  # the server's figure, no admission stamp
+    assert request_latencies(over_http)["queue"] == 12.5
 
 
 def test_goodput_counts_completed_requests_within_both_slos_per_second():
@@ -260,7 +262,8 @@ def test_quick_via_http_smoke_run_under_a_minute(tiny_artifact, tmp_path):
             assert e[key]["p50"] <= e[key]["p90"] <= e[key]["p99"]
         assert e["failed"] == 0 and e["completed"] >= 1 and e["output_tok_s"] > 0  # the key reached the server
         assert 0 < e["goodput"] <= e["req_s"] + 1e-9
-        assert e["queue_wait_ms"]["p50"] is None  # not visible to an HTTP client
+        q = e["queue_wait_ms"]  # the server's own figure, sent beside usage
+        assert q["p50"] is not None and 0 <= q["p50"] <= q["p99"]
         assert set(e["by_temperature"]) <= {"0.0", "1.0"}
     assert [g["rate"] for g in res["goals"]] == sorted({e["rate"] for e in rows})
     assert (out / "latency.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

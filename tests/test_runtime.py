@@ -56,6 +56,9 @@ def test_more_requests_than_slots_queue_and_all_finish(ort_rt):
     outs = ort_rt.generate(prompts, GenerationConfig(max_new_tokens=12, spec="adaptive"))
     assert all(len(o.token_ids) == 12 and o.finish_reason == "length" for o in outs)
     assert [o.token_ids for o in outs] == [_greedy(ort_rt, [p], "off", 12)[0] for p in prompts]
+    waits = [o.stats["queue_wait_s"] for o in outs]  # the last 12 waited for a slot, the first 8 did not
+    assert all(0 <= w <= o.stats["time_to_first_token_s"] for w, o in zip(waits, outs))
+    assert min(waits[8:]) > max(waits[:8])
 
 
 def test_prompt_that_can_never_fit_fails_alone(ort_rt):

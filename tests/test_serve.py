@@ -83,6 +83,7 @@ def test_completion_equals_offline_generate(rt, client):
         assert len(r.choices) == 1 and r.choices[0].text == w and r.choices[0].finish_reason == "length"
         assert r.usage.prompt_tokens == len(rt.tokenizer.encode(p))
         assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+        assert r.model_extra["timings"]["queue_ms"] >= 0
     # A list of prompts is one choice per prompt, in order; every spec mode gives the same greedy text.
     for spec in ("off", "fixed:2", "adaptive"):
         r = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0,
@@ -108,6 +109,7 @@ def test_stream_equals_non_stream(rt, client):
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=20, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 40
+    assert chunks[-1].model_extra["timings"]["queue_ms"] >= 0  # the wait for a batch slot, server side
     texts = {0: "", 1: ""}
     finish = {}
     for c in chunks[:-1]:

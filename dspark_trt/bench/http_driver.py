@@ -4,7 +4,8 @@ Each request is `POST /v1/completions` with ``stream: true`` (and ``stream_optio
 token count), its prompt as token ids (the same tokens as in process), ``spec`` the mode, ``seed`` and
 ``temperature`` from the workload. A chunk's arrival is the time a client sees its text. The server may
 stop a request at EOS (the protocol has no ignore-EOS field: ``ignore_eos`` is sent and ignored by servers
-that lack it), so counts come from the server's usage figure. The queue wait is not visible to a client.
+that lack it), so counts come from the server's usage figure, and the queue wait (arrival at the runtime to a batch slot)
+from the `timings` object the server sends beside it.
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ async def _stream(client, body: dict, rec: dict, t0: float) -> None:
                 return
             if obj.get("usage"):
                 rec["generated_tokens"] = int(obj["usage"]["completion_tokens"])
+                rec["queue_ms"] = (obj.get("timings") or {}).get("queue_ms")
             for ch in obj.get("choices") or []:
                 if ch.get("text"):
                     rec["token_times_s"].append(time.perf_counter() - t0)

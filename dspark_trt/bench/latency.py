@@ -111,12 +111,15 @@ def request_latencies(rec: dict) -> dict:
     - tpot: (last token - first token) / (tokens - 1), None for a one-token answer;
     - itl: the gaps between successive deliveries (one delivery may carry several tokens: a speculative
       step commits them together, and that is when a streaming client sees them);
-    - queue: arrival to admission into a batch slot (None where the client cannot see it, e.g. over HTTP).
+    - queue: arrival to admission into a batch slot (over HTTP: the server's own figure, from the request
+      reaching its runtime, as `queue_ms`).
     """
     at, times, n = rec["arrival_s"], rec.get("token_times_s") or [], int(rec.get("generated_tokens") or 0)
     out = {"ttft": None, "tpot": None, "e2e": None, "itl": [], "queue": None}
     if rec.get("admitted_s") is not None:
         out["queue"] = (rec["admitted_s"] - at) * 1e3
+    elif rec.get("queue_ms") is not None:
+        out["queue"] = float(rec["queue_ms"])
     if not times:
         return out
     out["ttft"] = (times[0] - at) * 1e3

@@ -29,6 +29,7 @@ class RequestStats:
     accepted_per_position: list = field(default_factory=list)  # times draft position k was accepted
     verified_per_position: list = field(default_factory=list)  # times draft position k was verified
     t_submit: float = 0.0
+    t_admit: float = 0.0  # when it got a batch slot
     t_first: float = 0.0
     t_end: float = 0.0
 
@@ -53,6 +54,7 @@ class RequestStats:
             "tokens_per_s": self.generated / elapsed if elapsed else 0.0,
             "decode_tokens_per_s": (self.generated - 1) / decode_time if decode_time and self.generated > 1 else 0.0,
             "time_to_first_token_s": (self.t_first - self.t_submit) if self.t_first else None,
+            "queue_wait_s": (self.t_admit - self.t_submit) if self.t_admit else None,
             "latency_s": elapsed,
         }
 

@@ -153,6 +153,13 @@ class Generations:
         c = sum(len(r.generated_ids) for r in reqs)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
+    @staticmethod
+    def timings(reqs) -> dict:
+        """Server-side timings a client cannot see (as llama.cpp's server reports `timings`): queue_ms,
+        the longest wait of the answer's requests for a batch slot."""
+        waits = [r.stats.t_admit - r.stats.t_submit for r in reqs if r.stats.t_admit]
+        return {"queue_ms": round(max(waits) * 1e3, 3) if waits else None}
+
     def start(self, prepared, fmt, access: dict):
         reqs = self.submit(prepared)
         cid = f"{fmt.id_prefix}{uuid.uuid4().hex}"
@@ -193,7 +200,7 @@ class Generations:
             res = self.rt.result(r)
             choices.append(fmt.choice(i, res.text, res.finish_reason))
         return {"id": cid, "object": fmt.object, "created": now, "model": self.name, "choices": choices,
-                "usage": self.usage(prepared, reqs)}
+                "usage": self.usage(prepared, reqs), "timings": self.timings(reqs)}
 
     # ------------------------------------------------------------------ answering as a stream
     def stream(self, prepared, fmt, access: dict):
@@ -243,7 +250,8 @@ class Generations:
                     else:
                         if include_usage:
                             yield event({"id": cid, "object": fmt.chunk_object, "created": now, "model": self.name,
-                                         "choices": [], "usage": self.usage(prepared, reqs)})
+                                         "choices": [], "usage": self.usage(prepared, reqs),
+                                         "timings": self.timings(reqs)})
                 except Exception as e:  # a bug mid-stream: the status line is out, so end with an error event
                     log.error("unhandled error in stream %s", cid, exc_info=e)
                     yield event(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"))

@@ -83,6 +83,7 @@ class Admission:
                     req.finish("cancelled")
                     continue
                 req.slot = self.slots.index(None)
+                req.stats.t_admit = time.perf_counter()
                 self.slots[req.slot] = req
                 active += 1
                 self.admitted += 1
