@@ -245,3 +245,36 @@ def test_worker_client_skips_stray_output_and_reports_a_crash_in_one_line():
         WorkerClient([sys.executable, "-c", crash], "fake")
     assert str(e.value) == ("the fake peer's worker stopped (exit 3): ValueError: 1 validation error "
                             "Value error, the draft is refused")
+
+
+@pytest.mark.parametrize("worker", ["ortgenai", "vllm"])
+def test_worker_scripts_run_standalone_beside_worker_loop(tmp_path, worker):
+    """A peer's Python has the engine but no dspark_trt: the worker script must find its command loop
+    (worker_loop.py) beside itself. Stub engines stand in for onnxruntime-genai and vLLM; `-S` keeps the
+    site-packages (and with them dspark_trt) out."""
+    from pathlib import Path
+
+    from dspark_trt.bench.peer_worker import WorkerClient
+
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    (stubs / "onnxruntime.py").write_text("__version__ = '0.0-stub'\n")
+    (stubs / "onnxruntime_genai.py").write_text(
+        "__version__ = '0.0-stub'\nclass Config:\n    def __init__(self, d): pass\n"
+        "    def overlay(self, s): pass\nclass Model:\n    def __init__(self, c): print('engine banner')\n")
+    (stubs / "vllm.py").write_text(
+        "__version__ = '0.0-stub'\nclass LLM:\n    def __init__(self, **kw): print('engine banner')\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "genai_config.json").write_text('{"model": {"pad_token_id": 0}}')
+    script = Path(__file__).resolve().parents[1] / "dspark_trt" / "bench" / f"{worker}_worker.py"
+    arg = str(model) if worker == "ortgenai" else '{"target": "t", "max_num_seqs": 1, "max_model_len": 8}'
+    env = {"PYTHONPATH": str(stubs), "PATH": "/usr/bin:/bin"}
+    w = WorkerClient([sys.executable, "-S", str(script), arg], worker, env=env)
+    try:
+        assert w.hello["ok"] and w.hello["version"] == "0.0-stub"
+        with pytest.raises(DsparkError, match="unknown command 'nothing'"):
+            w.ask({"cmd": "nothing"})
+    finally:
+        w.close()
+    assert w.proc.returncode == 0

@@ -24,6 +24,11 @@ import json
 import sys
 import time
 
+try:
+    from dspark_trt.bench.worker_loop import protocol_stream, serve
+except ImportError:  # run as a script by a Python without dspark_trt: the sibling file
+    from worker_loop import protocol_stream, serve
+
 
 def _batch(og, model, prompts, max_new_tokens, pad_id):
     import numpy as np
@@ -55,20 +60,8 @@ def _run(og, model, msg, pad_id):
     return {"ok": True, "wall_s": time.perf_counter() - t0, "requests": reqs}
 
 
-def _protocol_stream():
-    """The real stdout for protocol lines; file descriptor 1 itself goes to stderr, so that nothing else
-    (the library's prints, its native code, processes it spawns) can write into the protocol."""
-    import os
-
-    sys.stdout.flush()
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return out
-
-
 def main(argv) -> int:
-    out = _protocol_stream()
+    out = protocol_stream()
     model_dir = argv[1]
     pad_id = int(argv[2]) if len(argv) > 2 else None
     import onnxruntime_genai as og
@@ -79,24 +72,13 @@ def main(argv) -> int:
     with open(f"{model_dir}/genai_config.json") as f:
         pad = int(pad_id if pad_id is not None else json.load(f)["model"].get("pad_token_id", 0))
     model = og.Model(config)
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["cmd"] == "quit":
-                break
-            if msg["cmd"] == "hello":
-                import onnxruntime
 
-                reply = {"ok": True, "version": og.__version__, "ort_version": onnxruntime.__version__}
-            elif msg["cmd"] == "run":
-                reply = _run(og, model, msg, pad)
-            else:
-                reply = {"ok": False, "error": f"unknown command {msg['cmd']!r}"}
-        except Exception as e:  # reported to the bench, which raises it as a one-line error
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    return 0
+    def hello(msg):
+        import onnxruntime
+
+        return {"ok": True, "version": og.__version__, "ort_version": onnxruntime.__version__}
+
+    return serve(out, {"hello": hello, "run": lambda msg: _run(og, model, msg, pad)})
 
 
 if __name__ == "__main__":

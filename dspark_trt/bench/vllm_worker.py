@@ -16,6 +16,11 @@ import os
 import sys
 import time
 
+try:
+    from dspark_trt.bench.worker_loop import protocol_stream, serve
+except ImportError:  # run as a script by a Python without dspark_trt: the sibling file
+    from worker_loop import protocol_stream, serve
+
 
 def _engine(cfg):
     from vllm import LLM
@@ -60,42 +65,19 @@ def _run(llm, msg):
     return {"ok": True, "wall_s": time.perf_counter() - t0, "requests": reqs}
 
 
-def _protocol_stream():
-    """The real stdout for protocol lines; file descriptor 1 itself goes to stderr, so that nothing else
-    (the library's prints, its native code, processes it spawns) can write into the protocol."""
-    import os
-
-    sys.stdout.flush()
-    out = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return out
-
-
 def main(argv) -> int:
     cfg = json.loads(argv[1])
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; plenty for a small pair
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{(os.cpu_count() or 1) - 1}")
-    out = _protocol_stream()
+    out = protocol_stream()
     llm = _engine(cfg)
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["cmd"] == "quit":
-                break
-            if msg["cmd"] == "hello":
-                import vllm
 
-                reply = {"ok": True, "version": vllm.__version__}
-            elif msg["cmd"] == "run":
-                reply = _run(llm, msg)
-            else:
-                reply = {"ok": False, "error": f"unknown command {msg['cmd']!r}"}
-        except Exception as e:  # reported to the bench as a one-line error
-            reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
-        out.flush()
-    return 0
+    def hello(msg):
+        import vllm
+
+        return {"ok": True, "version": vllm.__version__}
+
+    return serve(out, {"hello": hello, "run": lambda msg: _run(llm, msg)})
 
 
 if __name__ == "__main__":
