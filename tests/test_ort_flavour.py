@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 from collections import Counter
 
 import numpy as np
@@ -248,16 +249,88 @@ def test_dspark_target_flavour_matches_the_standard_graph_aux_outputs_included(d
     from dspark_trt.manifest import Manifest
 
     m = Manifest.load(dspark_artifact)
-    assert m.graphs["target"]["ort"] == {"file": "target_aux.ort.onnx", "flavour": "fused"}
-    assert m.files["target_aux.ort.onnx"]["sha256"] and m.verify_hashes() == []
+    for graph, file in (("target", "target_aux.ort.onnx"), ("draft", "dspark_draft.ort.onnx"),
+                        ("draft_sample", "dspark_draft_sample.ort.onnx")):
+        assert m.graphs[graph]["ort"] == {"file": file, "flavour": "fused"}
+        assert m.files[file]["sha256"]
+    assert "ort" not in m.graphs["dspark_context"] and m.verify_hashes() == []
     assert "aux_hidden" in [o["name"] if isinstance(o, dict) else o for o in m.graphs["target"]["outputs"]]
     assert target_parity(dspark_artifact) <= 1e-4
 
 
-def test_dspark_greedy_is_identical_with_either_target_flavour(dspark_artifact, monkeypatch):
+def dspark_draft_parity(art, graph: str, seed=0):
+    """Largest |fused - standard| over the float outputs of one block pass (ragged context lengths, slots
+    out of order), after checking the draft tokens are equal."""
+    m = json.loads((art / "manifest.json").read_text())
+    rng = np.random.default_rng(seed)
+    sess = {k: _session(art / f) for k, f in (("std", m["graphs"][graph]["file"]),
+                                                  ("fused", m["graphs"][graph]["ort"]["file"]))}
+    past = [i for i in sess["std"].get_inputs() if i.name.startswith("past_key_values.")]
+    slots, kvh, d = m["limits"]["max_batch"], past[0].shape[2], past[0].shape[3]
+    feeds = {i.name: rng.standard_normal((11, slots, kvh, d)).astype(np.float32) for i in past}
+    feeds.update(anchor=rng.integers(0, m["model"]["vocab_size"], 3), past_lens=np.array([11, 1, 6]),
+                 slot_ids=np.array([slots - 1, 0, 2]))
+    if graph == "draft_sample":
+        feeds.update(temperature=np.array([0.0, 0.7, 1.0], np.float32),
+                     uniforms=rng.random((3, m["draft"]["max_draft"]), dtype=np.float32))
+    out = {k: dict(zip([o.name for o in s.get_outputs()], s.run(None, feeds))) for k, s in sess.items()}
+    assert (out["fused"]["draft_tokens"] == out["std"]["draft_tokens"]).all()
+    return max(float(np.abs(out["fused"][k] - out["std"][k]).max()) for k in out["std"] if k != "draft_tokens")
+
+
+def test_dspark_drafter_flavour_matches_the_standard_graphs(dspark_artifact):
+    import onnx
+
+    m = json.loads((dspark_artifact / "manifest.json").read_text())
+    for graph in ("draft", "draft_sample"):
+        assert dspark_draft_parity(dspark_artifact, graph) <= 1e-4, graph
+        std = onnx.load(str(dspark_artifact / m["graphs"][graph]["file"]))
+        fused = onnx.load(str(dspark_artifact / m["graphs"][graph]["ort"]["file"]))
+        assert len(fused.graph.node) < len(std.graph.node)
+        assert [n.op_type for n in fused.graph.node if n.domain == "dspark"] == \
+            [n.op_type for n in std.graph.node if n.domain == "dspark"]
+
+
+def test_dspark_greedy_is_identical_with_either_flavour(dspark_artifact, monkeypatch):
+    from dspark_trt.runtime.dspark_drafting import DsparkDrafting
+
+    for graphs, suffix in (("auto", ".ort.onnx"), ("standard", ".onnx")):
+        monkeypatch.setenv("DSPARK_ORT_GRAPHS", graphs)
+        d = DsparkDrafting.from_artifact(dspark_artifact)
+        files = [Path(s._model_path).name for s in (d.draft_graph, d.sample_graph)]
+        assert files == [f"dspark_draft{suffix}", f"dspark_draft_sample{suffix}"], graphs
     files, fused = _generate(dspark_artifact, monkeypatch, "auto")
     assert files == {"target": "target_aux.ort.onnx"}
     std_files, std = _generate(dspark_artifact, monkeypatch, "standard")
     assert std_files == {"target": "target_aux.onnx"}
     assert fused == std
     assert fused["adaptive"] == fused["off"]
+
+
+@pytest.mark.parametrize("causal,v_scale", [(False, None), (True, 0.5)])
+def test_fused_dspark_block_computes_the_drafters_block_in_torch(tmp_path, causal, v_scale):
+    """The drafter's block pass in the ORT flavour (eager torch): ragged context lengths, slots out of
+    order, q/k norms (qwen3 layers), grouped KV heads, a causal or full block, scaled values."""
+    import torch
+
+    from dspark_trt.models.dspark_drafter import load_dspark_drafter
+    from dspark_trt.models.ort_fused_dspark import FusedDsparkBlock
+    from tests.dspark_fixtures import make_draft, make_target
+
+    extra = {} if v_scale is None else {"dflash_config": {"target_layer_ids": [0, 2], "mask_token_id": 5,
+                                                          "causal": causal, "attention_value_scale": v_scale}}
+    target = make_target(tmp_path / "target")
+    drafter = load_dspark_drafter(make_draft(tmp_path, causal=causal, **extra), target).eval()
+    assert drafter.cfg.causal == causal and drafter.cfg.v_scale == v_scale
+    fused = FusedDsparkBlock(drafter, 64).eval()
+    g = torch.Generator().manual_seed(0)
+    lc = drafter.cfg.layers
+    past_k, past_v = ([torch.randn(9, 5, lc.num_key_value_heads, lc.head_dim, generator=g) for _ in drafter.layers]
+                      for _ in range(2))
+    q = drafter.cfg.query_len
+    tokens = torch.randint(0, lc.vocab_size, (3, q), generator=g)
+    slot_ids, past_lens = torch.tensor([4, 0, 2]), torch.tensor([9, 1, 5])
+    with torch.no_grad():
+        want = drafter.block(tokens, past_k, past_v, slot_ids, past_lens)
+        got = fused(tokens, past_k, past_v, slot_ids, past_lens)
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-5

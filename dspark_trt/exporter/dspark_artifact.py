@@ -24,8 +24,9 @@ CONTEXT_GRAPH = "dspark_context"
 
 def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
                            overwrite: bool = False, progress: bool = False, ort_flavour: str = "fused") -> Path:
-    """ort_flavour "fused" also writes the target's ORT flavour (`target_aux.ort.onnx`, exporter/ort_flavour.py);
-    the drafter's graphs have one flavour."""
+    """ort_flavour "fused" also writes the ORT flavour (exporter/ort_flavour.py) of the target
+    (`target_aux.ort.onnx`) and of the drafter's block-pass graphs (`dspark_draft.ort.onnx`,
+    `dspark_draft_sample.ort.onnx`); the context graph has one form."""
     from tqdm import tqdm
 
     from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
@@ -71,7 +72,9 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
         del target
         bar.update()
         bar.set_postfix_str("DSpark drafter graphs")
-        export_dspark(drafter, tmp, num_slots=max_batch, sample=True)
+        fused = ort_flavour == "fused"
+        drafter_files = export_dspark(drafter, tmp, num_slots=max_batch, sample=True,
+                                      ort_fused_positions=max_context if fused else 0)
         bar.update()
         bar.set_postfix_str("manifest")
         tokenizer = tokenizer_facts(target_dir)
@@ -95,8 +98,12 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                     "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
                     "draft_sample": {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
                     CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}})
-        if ort_flavour == "fused":
+        if fused:
             record_ort_graph(manifest["graphs"], "target", _io(tmp / written[-1]), file=written[-1])
+            for graph, key in (("draft", "draft_ort"), ("draft_sample", "sample_ort")):
+                path = drafter_files[key]
+                record_ort_graph(manifest["graphs"], graph, _io(path), file=path.name)
+                written.append(path.name)
         manifest["sources"] = {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None}
         for name in (DRAFT_FILE, SAMPLE_FILE, *written, CONTEXT_FILE, *tokenizer["files"]):
             manifest.record_file(tmp, name)

@@ -80,9 +80,11 @@ class DsparkDraftGraph(nn.Module):
     """The block pass + MarkovDraft (greedy flavour) or + MarkovSample (sample=True: two more inputs,
     temperature [R] and uniforms [R, N], and one more output, draft_probs [R, N, V_target])."""
 
-    def __init__(self, drafter: DsparkDrafter, temperatures: list[float] | None = None, sample: bool = False):
+    def __init__(self, drafter: DsparkDrafter, temperatures: list[float] | None = None, sample: bool = False,
+                 block: nn.Module | None = None):
         super().__init__()
         self.drafter = drafter
+        self.block = block  # the block pass's ORT flavour (models/ort_fused_dspark.py); None: drafter.block
         self.sample = sample
         self.temperatures = [float(t) for t in (temperatures or [1.0] * drafter.cfg.num_draft)]
 
@@ -92,7 +94,8 @@ class DsparkDraftGraph(nn.Module):
         r = anchor.shape[0]
         masks = torch.full_like(anchor, cfg.mask_token_id)[:, None].expand(r, cfg.query_len - 1)
         tokens = torch.cat([anchor[:, None], masks], dim=1)
-        hidden = d.block(tokens, list(past[0::2]), list(past[1::2]), slot_ids, past_lens)
+        block = d.block if self.block is None else self.block
+        hidden = block(tokens, list(past[0::2]), list(past[1::2]), slot_ids, past_lens)
         rows = d.sample_rows(hidden)
         w1 = d.markov_head.markov_w1.weight.float()
         w2 = d.markov_head.markov_w2.weight.float()
@@ -121,9 +124,13 @@ def _export(module, args, input_names, output_names, dynamic_shapes, path: Path)
 
 
 def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
-                  temperatures: list[float] | None = None, sample: bool = False) -> dict[str, Path]:
+                  temperatures: list[float] | None = None, sample: bool = False,
+                  ort_fused_positions: int = 0) -> dict[str, Path]:
     """Write the graphs into out_dir; returns {"context": path, "draft": path} (+ "sample": the
-    MarkovSample flavour of the draft graph, for batches with sampled requests, when sample=True)."""
+    MarkovSample flavour of the draft graph, for batches with sampled requests, when sample=True).
+    ort_fused_positions > 0 also writes the ORT flavour of the draft (and sample) graph, its block pass
+    fused (models/ort_fused_dspark.py; rotary tables for that many positions plus one block), as
+    "draft_ort" ("sample_ort") beside the standard files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     drafter = drafter.float().eval()
@@ -144,18 +151,31 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
                   torch.tensor([EX_PAST, 2, 4][:ex_r], dtype=torch.int64),
                   torch.tensor([2, 0, 1][:ex_r], dtype=torch.int64) % num_slots, *past)
     shapes = ({0: r}, {0: r}, {0: r}, tuple({0: p} for _ in range(2 * layers)))  # *past is one vararg
-    _export(DsparkDraftGraph(drafter, temperatures), draft_args, DRAFT_INPUTS + past_names(layers), DRAFT_OUTPUTS,
-            shapes, out_dir / DRAFT_FILE)
-    paths = {"context": out_dir / CONTEXT_FILE, "draft": out_dir / DRAFT_FILE}
+    paths = {"context": out_dir / CONTEXT_FILE}
+    blocks = {"": None}
+    if ort_fused_positions:
+        from dspark_trt.models.ort_fused_dspark import FusedDsparkBlock
+
+        blocks["_ort"] = FusedDsparkBlock(drafter, ort_fused_positions + cfg.query_len).eval()
+    for suffix, block in blocks.items():
+        paths["draft" + suffix] = out_dir / ort_variant(DRAFT_FILE, suffix)
+        _export(DsparkDraftGraph(drafter, temperatures, block=block), draft_args, DRAFT_INPUTS + past_names(layers),
+                DRAFT_OUTPUTS, shapes, paths["draft" + suffix])
     if sample:
         n = cfg.num_draft
         sample_args = draft_args[:3] + (torch.tensor([0.0, 0.7, 1.0][:ex_r]), torch.rand(ex_r, n)) + past
         shapes = ({0: r}, {0: r}, {0: r}, ({0: r}, {0: r}, *({0: p} for _ in range(2 * layers))))  # one vararg
-        _export(DsparkDraftGraph(drafter, temperatures, sample=True), sample_args,
-                DRAFT_INPUTS + SAMPLE_INPUTS + past_names(layers), DRAFT_OUTPUTS + ["draft_probs"], shapes,
-                out_dir / SAMPLE_FILE)
-        paths["sample"] = out_dir / SAMPLE_FILE
+        for suffix, block in blocks.items():
+            paths["sample" + suffix] = out_dir / ort_variant(SAMPLE_FILE, suffix)
+            _export(DsparkDraftGraph(drafter, temperatures, sample=True, block=block), sample_args,
+                    DRAFT_INPUTS + SAMPLE_INPUTS + past_names(layers), DRAFT_OUTPUTS + ["draft_probs"], shapes,
+                    paths["sample" + suffix])
     return paths
+
+
+def ort_variant(file: str, suffix: str) -> str:
+    """dspark_draft.onnx -> dspark_draft.ort.onnx for the ORT flavour (suffix "_ort"), else unchanged."""
+    return file.removesuffix(".onnx") + ".ort.onnx" if suffix else file
 
 
 # ------------------------------------------------------------------ the target graph with aux outputs

@@ -65,15 +65,19 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, si
 
 
 class FusedAttention(nn.Module):
-    def __init__(self, attn):
+    """v_scale: values scaled by a constant (a DSpark drafter's attention_value_scale), folded into the
+    fused projection's weights."""
+
+    def __init__(self, attn, v_scale: float | None = None):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = attn.n_heads, attn.n_kv, attn.head_dim
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         self.qkv = nn.Linear(qkv[0].in_features, sum(p.out_features for p in qkv), bias=qkv[0].bias is not None)
+        v = 1.0 if v_scale is None else float(v_scale)
         with torch.no_grad():
-            self.qkv.weight.copy_(torch.cat([p.weight for p in qkv]))
+            self.qkv.weight.copy_(torch.cat([qkv[0].weight, qkv[1].weight, qkv[2].weight * v]))
             if self.qkv.bias is not None:
-                self.qkv.bias.copy_(torch.cat([p.bias for p in qkv]))
+                self.qkv.bias.copy_(torch.cat([qkv[0].bias, qkv[1].bias, qkv[2].bias * v]))
         self.qkv.to(attn.q_proj.weight.dtype)
         self.o_proj = attn.o_proj
         self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
@@ -172,13 +176,14 @@ class FusedDecoder(nn.Module):
         return h, new_keys, new_values
 
 
-def _attention_mask(batch: PackedBatch, device) -> torch.Tensor:
+def _attention_mask(batch: PackedBatch, device, causal: bool = True) -> torch.Tensor:
     """[R, 1, Lq, P+Lq], broadcast over KV heads: past position p is visible when p < past_len, new
-    position j to query i when j <= i < query_len."""
+    position j to query i when j <= i (any j when not causal) and j < query_len."""
     r, lq = batch.pack_index.shape
     p = batch.past_keys[0].shape[0]
     past_ok = torch.arange(p, device=device)[None, None, :] < batch.past_lens[:, None, None]  # [R, 1, P]
     qi = torch.arange(lq, device=device)
-    new_ok = (qi[None, None, :] <= qi[None, :, None]) & (qi[None, None, :] < batch.query_lens[:, None, None])
+    new_ok = qi[None, None, :] < batch.query_lens[:, None, None]  # [R, 1, Lq]
+    new_ok = new_ok & (qi[None, None, :] <= qi[None, :, None]) if causal else new_ok.expand(r, lq, lq)
     mask = torch.cat([past_ok.expand(r, lq, p), new_ok], dim=2)  # [R, Lq, P+Lq]
     return mask[:, None, :, :]

@@ -62,11 +62,13 @@ class DsparkDrafting:
         m = load_manifest(artifact_dir)
         if m.drafter_kind != "dspark":
             raise DsparkError(f"{artifact_dir} holds a {m.drafter_kind} drafter, not a DSpark one")
-        d = Path(artifact_dir)
-        sample = m.graphs.get("draft_sample")
-        return cls(d / m.graphs["dspark_context"]["file"], d / m.graphs["draft"]["file"],
+        from dspark_trt.runtime.backends.ort import graph_file, graph_flavour
+
+        d, flavour = Path(artifact_dir), graph_flavour()  # the block pass's ORT flavour where there is one
+        sample = d / graph_file(m, "draft_sample", flavour) if "draft_sample" in m.graphs else None
+        return cls(d / m.graphs["dspark_context"]["file"], d / graph_file(m, "draft", flavour),
                    num_slots=m.limits["max_batch"], max_context=m.limits["max_context"],
-                   sample_path=d / sample["file"] if sample else None, threads=threads)
+                   sample_path=sample, threads=threads)
 
     def observe(self, slot: int, aux: np.ndarray, start: int) -> None:
         """Verified context: aux [T, F] hidden states of the target at positions start .. start + T - 1."""
