@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 import fake_tensorrt  # noqa: E402  (tests/ is on sys.path under pytest)
-from test_build import PLUGIN_MOD, fresh_plugins  # noqa: E402,F401  (a fixture)
+from test_build import PLUGIN_MOD  # noqa: E402
 from test_trt_backend import FakeContext, _ort_fn  # noqa: E402
 
 from dspark_trt.errors import DsparkError  # noqa: E402
@@ -42,6 +42,20 @@ def artifact(tmp_path_factory):
     dst = tmp_path_factory.mktemp("trt-dspark") / "art"
     shutil.copytree(src, dst)
     return dst
+
+
+@pytest.fixture
+def fresh_plugins(monkeypatch):
+    """The fake tensorrt in sys.modules and the plugin module imported afresh against it (as in test_build)."""
+
+    def install(version="10.9.0.34"):
+        trt = fake_tensorrt.make(version)
+        fake_tensorrt.install(monkeypatch, trt)
+        sys.modules.pop(PLUGIN_MOD, None)
+        return trt
+
+    yield install
+    sys.modules.pop(PLUGIN_MOD, None)
 
 
 def speculating(rt: Runtime) -> Runtime:
@@ -161,6 +175,7 @@ def test_runtime_on_fake_trt_engines_matches_the_ort_backend(artifact, monkeypat
     with speculating(fake_trt_runtime(artifact)) as rt:
         drafting = rt.drafter.drafting
         assert isinstance(drafting.graphs, TrtDsparkGraphs) and isinstance(drafting.cache, DeviceKVCache)
+        assert "aux_hidden" in [s.name for s in rt.backend.runners["target"].io.outputs]  # copied to the host
         got = generate(rt, specs)
         calls = dict(rt.backend.calls)
         # a context call larger than the engine's profile is split: same drafts
