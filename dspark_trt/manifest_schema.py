@@ -15,6 +15,10 @@ GRAPHS = ("draft", "target")
 # artifacts without it run every call on `draft`.
 GREEDY_DRAFT_GRAPH = "draft_greedy"
 OPTIONAL_GRAPHS = (GREEDY_DRAFT_GRAPH,)
+# A DSpark artifact's graphs beyond GRAPHS (exporter/dspark_artifact.py): the context-KV precompute (always
+# there) and the MarkovSample flavour of the draft graph (for batches with sampled requests; optional).
+DSPARK_CONTEXT_GRAPH = "dspark_context"
+DSPARK_SAMPLE_GRAPH = "draft_sample"
 MODEL_DTYPES = ("fp32", "fp16", "bf16")
 # Graph I/O dtypes a manifest may declare (all are TensorRT I/O types).
 IO_DTYPES = ("int64", "int32", "float32", "float16", "bfloat16", "bool", "uint8")
@@ -31,6 +35,15 @@ PLUGIN_MODES = ("aot", "jit", "none")
 ORT_GRAPH_FLAVOURS = ("fused",)
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _CC = re.compile(r"^\d+\.\d+$")
+
+
+def engine_graphs(d: dict) -> tuple[list[str], list[str]]:
+    """(required, optional) graphs that get a TensorRT engine, by drafter kind; optional ones only where the
+    artifact has them. Always the standard graphs, never their ORT flavours (graphs.<g>.ort)."""
+    graphs = d.get("graphs") or {}
+    if (d.get("draft") or {}).get("kind") == "dspark":
+        return [*GRAPHS, DSPARK_CONTEXT_GRAPH], [g for g in (DSPARK_SAMPLE_GRAPH,) if g in graphs]
+    return list(GRAPHS), [g for g in OPTIONAL_GRAPHS if g in graphs]
 
 
 def _is_int(v: Any) -> bool:

@@ -51,7 +51,7 @@ def fresh_draft(drafter, target, seq):
 
 def test_greedy_loop_with_dspark_drafts_equals_target_only_greedy(setup):
     target, drafter, paths = setup
-    rt = DsparkDrafting(paths["context"], paths["draft"], num_slots=SLOTS, max_context=MAX_CONTEXT)
+    rt = DsparkDrafting.from_files(paths["context"], paths["draft"], num_slots=SLOTS, max_context=MAX_CONTEXT)
     prompts = {0: [3, 17, 42, 8, 99], 2: [64, 2, 7, 7, 30, 1, 9]}
     seqs, anchors = {}, {}
     with torch.no_grad():
@@ -85,7 +85,7 @@ def test_greedy_loop_with_dspark_drafts_equals_target_only_greedy(setup):
 
 def test_observe_and_draft_refuse_gaps_and_empty_context(setup):
     _, _, paths = setup
-    rt = DsparkDrafting(paths["context"], paths["draft"], num_slots=SLOTS, max_context=8)
+    rt = DsparkDrafting.from_files(paths["context"], paths["draft"], num_slots=SLOTS, max_context=8)
     with pytest.raises(DsparkError, match="never observed"):
         rt.observe(0, np.zeros((2, 2 * 48), np.float32), 3)
     with pytest.raises(DsparkError, match="at least one observed context token"):
@@ -98,7 +98,7 @@ def test_observe_and_draft_refuse_gaps_and_empty_context(setup):
     with pytest.raises(DsparkError, match="exceeds max_context 8"):
         rt.observe(0, np.zeros((7, 2 * 48), np.float32), 2)
     with pytest.raises(DsparkError, match="exported for 3 cache slots"):
-        DsparkDrafting(paths["context"], paths["draft"], num_slots=5, max_context=8)
+        DsparkDrafting.from_files(paths["context"], paths["draft"], num_slots=5, max_context=8)
 
 
 def test_artifact_records_the_dspark_drafter_and_runs(tmp_path):

@@ -3,8 +3,6 @@ mode, the drafter's context cache holds exactly the verified tokens, and the ref
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 
@@ -132,17 +130,26 @@ def test_bench_refuses_fixed_k_beyond_the_block_size_naming_the_block_size(artif
 def test_other_backends_and_export_options_that_do_not_apply_are_refused(artifact, tmp_path):
     from dspark_trt.exporter.export import export_artifacts
 
-    from dspark_trt.exporter.build import plan_build
-
-    with pytest.raises(DsparkError, match="runs on --backend ort only"):
+    with pytest.raises(DsparkError, match=r"holds a DSpark drafter, which runs on --backend ort or trt \(not torch\)$"):
         Runtime.load(artifact, backend="torch", profile="none")
-    with pytest.raises(DsparkError, match="its TensorRT engines are not built yet; run the artifact with --backend ort"):
-        plan_build(artifact)
     src = load_manifest(artifact)["sources"]
     with pytest.raises(DsparkError, match="^--head does not apply to the DSpark drafter"):
         export_artifacts(src["target"], src["draft"], tmp_path / "a", head_dir=tmp_path)
     with pytest.raises(DsparkError, match="^--dtype fp16: a DSpark drafter exports in fp32 only"):
         export_artifacts(src["target"], src["draft"], tmp_path / "a", dtype="fp16")
+
+
+def test_a_sampled_request_without_the_sampling_graph_is_refused_in_one_line(artifact):
+    rt = Runtime.load(artifact, profile="none")
+    rt.drafter.drafting.graphs.sessions.pop("draft_sample")  # as an artifact without the graph
+    try:
+        with pytest.raises(DsparkError, match=r"^.* has no DSpark sampling graph \(draft_sample\), which requests with "
+                                              r"temperature > 0 draft with: re-export the artifact with "
+                                              r"`dspark-trt export`, or run those requests with spec off$"):
+            rt.submit(PROMPTS[0], GenerationConfig(temperature=0.7, spec="fixed:2"))
+        rt.submit(PROMPTS[0], GenerationConfig(temperature=0.7, spec="off"))  # never drafts
+    finally:
+        rt.close()
 
 
 def test_generate_compare_on_a_dspark_artifact(artifact, tmp_path):
@@ -168,13 +175,11 @@ def test_a_request_that_does_not_draft_costs_no_context_call(artifact):
     dearer than a step, no room to explore), generation runs no context-graph call at all."""
     rt = Runtime.load(artifact, profile="none")
     rt.cost = CostTable(np.r_[0.0, 1.0 + 0.001 * np.arange(200)], np.r_[0.0, np.full(16, 1e6)], bounds=(1.0, 1.0))
-    runs = []
-    context = rt.drafter.drafting.context
-    rt.drafter.drafting.context = SimpleNamespace(run=lambda *a: runs.append(1) or context.run(*a))
+    graphs = rt.drafter.drafting.graphs
     try:
         (res,) = rt.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=24, spec="adaptive", stop_at_eos=False))
         (ref,) = rt.generate([PROMPTS[0]], GenerationConfig(max_new_tokens=24, spec="off", stop_at_eos=False))
     finally:
         rt.close()
     assert res.token_ids == ref.token_ids and res.stats["drafted_tokens"] == 0
-    assert runs == []
+    assert graphs.calls["dspark_context"] == 0

@@ -297,7 +297,7 @@ def test_dspark_greedy_is_identical_with_either_flavour(dspark_artifact, monkeyp
     for graphs, suffix in (("auto", ".ort.onnx"), ("standard", ".onnx")):
         monkeypatch.setenv("DSPARK_ORT_GRAPHS", graphs)
         d = DsparkDrafting.from_artifact(dspark_artifact)
-        files = [Path(s._model_path).name for s in (d.draft_graph, d.sample_graph)]
+        files = [Path(d.graphs.sessions[g]._model_path).name for g in ("draft", "draft_sample")]
         assert files == [f"dspark_draft{suffix}", f"dspark_draft_sample{suffix}"], graphs
     files, fused = _generate(dspark_artifact, monkeypatch, "auto")
     assert files == {"target": "target_aux.ort.onnx"}

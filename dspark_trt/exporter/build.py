@@ -1,5 +1,6 @@
 """`dspark-trt build DIR`: TensorRT engines for the draft and target graphs (and the all-greedy draft graph
-when the artifact has one: one engine per graph, built the same way).
+when the artifact has one; for a DSpark drafter also its context and sampling graphs: one engine per graph,
+built the same way, `manifest_schema.engine_graphs` says which).
 
 `plan_build` says exactly what will be built and how, without TensorRT (`--dry-run` prints it);
 `build_engines` checks the environment (TensorRT, GPU and plugins come from `dspark_trt.trt_env`, the
@@ -23,8 +24,8 @@ from pathlib import Path
 
 from dspark_trt import trt_env
 from dspark_trt.errors import DsparkError
-from dspark_trt.manifest import (GRAPHS, MODEL_DTYPE_TO_ONNX, OPTIONAL_GRAPHS, Manifest, now_iso, sha256_file,
-                                 write_atomic)
+from dspark_trt.manifest import MODEL_DTYPE_TO_ONNX, Manifest, now_iso, sha256_file, write_atomic
+from dspark_trt.manifest_schema import engine_graphs
 from dspark_trt.trt_env import NEEDS_GPU, NOT_INSTALLED, PLUGIN_MODULE, PLUGIN_NAMESPACE  # noqa: F401 (re-exported)
 
 PLUGINS = trt_env.PLUGIN_IDS
@@ -83,18 +84,18 @@ def plan_build(artifact_dir, out_dir=None, plugin_mode: str = "aot",
     mode = _check_plugin_mode(plugin_mode)
     base = Path(artifact_dir)
     manifest = Manifest.load(base)
-    if manifest.drafter_kind == "dspark":
-        raise DsparkError(f"{base} holds a DSpark drafter: its TensorRT engines are not built yet; run the "
-                          "artifact with --backend ort")
     out = Path(out_dir) if out_dir is not None else base / "engines"
     dtype = manifest.model["dtype"]
     onnx_dtype = MODEL_DTYPE_TO_ONNX[dtype]
 
     graphs = {}
     all_ops: set[str] = set()
-    for g in (*GRAPHS, *(g for g in OPTIONAL_GRAPHS if g in manifest.graphs)):
-        spec = manifest.graphs[g]
-        onnx_path = base / spec["file"]
+    required, optional = engine_graphs(manifest.data)
+    for g in (*required, *optional):
+        spec = manifest.graphs.get(g)
+        if spec is None:
+            raise DsparkError(f"{base}: the manifest has no {g} graph: re-export the artifact (`dspark-trt export`)")
+        onnx_path = base / spec["file"]  # the standard graph: an ORT flavour (spec["ort"]) is never built
         if not onnx_path.is_file():
             raise DsparkError(f"{onnx_path} is missing: re-export the artifact (`dspark-trt export`)")
         ops = _dspark_ops_in(onnx_path)

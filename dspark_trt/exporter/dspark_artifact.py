@@ -18,8 +18,8 @@ import shutil
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
-
-CONTEXT_GRAPH = "dspark_context"
+from dspark_trt.manifest_schema import DSPARK_CONTEXT_GRAPH as CONTEXT_GRAPH
+from dspark_trt.manifest_schema import DSPARK_SAMPLE_GRAPH
 
 
 def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
@@ -96,7 +96,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
             limits=limits, dims=dims, tokenizer=tokenizer,
             graphs={"draft": {"file": DRAFT_FILE, **_io(tmp / DRAFT_FILE)},
                     "target": {"file": TARGET_FILE, **_io(tmp / TARGET_FILE)},
-                    "draft_sample": {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
+                    DSPARK_SAMPLE_GRAPH: {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
                     CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}})
         if fused:
             record_ort_graph(manifest["graphs"], "target", _io(tmp / written[-1]), file=written[-1])

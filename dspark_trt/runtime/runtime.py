@@ -119,13 +119,14 @@ class Runtime:
         limits = (self.max_draft, self.max_context, self.max_tokens_per_step)
         if self.drafter_kind == "dspark":
             from dspark_trt.runtime.dspark_drafting import DsparkDrafting
+            from dspark_trt.runtime.dspark_graphs import OrtDsparkGraphs
             from dspark_trt.runtime.phases.dspark_drafter import DsparkDrafter
 
-            g = self.manifest["graphs"]
-            sample = g.get("draft_sample")
-            drafting = DsparkDrafting(self.artifact_dir / g["dspark_context"]["file"], self.artifact_dir / g["draft"]["file"],
-                                      num_slots=self.slots_total, max_context=self.max_context,
-                                      sample_path=self.artifact_dir / sample["file"] if sample else None)
+            # the backend's own engines where it has them (trt), else ONNX Runtime sessions
+            on_backend = getattr(self.backend, "dspark_graphs", None)
+            graphs = on_backend() if on_backend else OrtDsparkGraphs.from_manifest(self.artifact_dir, self.manifest)
+            drafting = DsparkDrafting(graphs, num_slots=self.slots_total, max_context=self.max_context,
+                                      make_cache=make_cache)
             return DsparkDrafter(drafting, self.tuning, limits, self.survival_correction, self.costs, self.metrics)
         d = self.manifest["draft"]
         self.draft_kv = make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"],
@@ -170,9 +171,9 @@ class Runtime:
         if manifest.drafter_kind not in ("classic", "dspark"):
             raise DsparkError(f"{artifact_dir} holds a {manifest.drafter_kind!r} drafter, which this version "
                               "cannot run: upgrade dspark-trt or re-export the artifact")
-        if manifest.drafter_kind == "dspark" and backend != "ort":
-            raise DsparkError(f"{artifact_dir} holds a DSpark drafter, which runs on --backend ort only "
-                              f"(not {backend}) for now")
+        if manifest.drafter_kind == "dspark" and backend not in ("ort", "trt"):
+            raise DsparkError(f"{artifact_dir} holds a DSpark drafter, which runs on --backend ort or trt "
+                              f"(not {backend})")
         # the backend first: it says what to install or build, if anything
         be = make_backend(backend, artifact_dir, manifest, **(backend_options or {}))
         verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it
@@ -225,6 +226,10 @@ class Runtime:
         """Queue a request (thread-safe). Errors that concern only this request finish it with an error."""
         config = config or GenerationConfig()
         mode = config.validate(self.max_draft, self.draft_limit)
+        refusal = getattr(self.drafter, "refusal", None)
+        why = refusal(config, mode) if refusal is not None else None
+        if why:
+            raise DsparkError(why)
         ids = self.encode(prompt)
         with self._lock:
             if self._closed:

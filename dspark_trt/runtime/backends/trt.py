@@ -1,5 +1,9 @@
 """TensorRT backend: the draft and target engines built by `dspark-trt build`, KV caches on the GPU.
 
+A DSpark artifact's engines (target with `aux_hidden`, block pass, sampling block pass, context graph) load
+the same way; the target runs here, the drafter's graphs through `dspark_graphs()` (runtime/dspark_graphs.py)
+in its drafter phase, its context cache a DeviceKVCache like the target's.
+
 Written against the TensorRT 10.9+ / 11.x Python API (TensorRT cannot be installed where this was
 written; every TensorRT call below is the documented one, and everything that does not need TensorRT is
 a plain function with unit tests):
@@ -37,12 +41,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.manifest_schema import GREEDY_DRAFT_GRAPH, OPTIONAL_GRAPHS
+from dspark_trt.manifest_schema import GREEDY_DRAFT_GRAPH, engine_graphs
 from dspark_trt.runtime.backends.device_kv import ALIGN_BYTES, PresentList, aligned_elems, torch_dtype
-from dspark_trt.runtime.backends.trt_io import (GRAPHS, GraphIO, check_engine_io, graph_layers, graph_specs,
-                                                 kv_dtype_for, output_shapes, pick_output_shape, profile_problems,
-                                                 profile_ranges, resolve_dims, select_engines, split_io,
-                                                 trt_dtype_name)
+from dspark_trt.runtime.backends.trt_io import (GraphIO, _data, check_engine_io, graph_layers, graph_specs,
+                                                 kv_dtype_for, kv_roles, output_shapes, pick_output_shape,
+                                                 profile_problems, profile_ranges, resolve_dims, select_engines,
+                                                 split_io, trt_dtype_name)
 from dspark_trt.runtime.batch import ZeroRows
 
 
@@ -107,11 +111,12 @@ class GraphRunner:
         self.scratch = _Scratch(torch, self.device)
         self.host = _Scratch(torch, "cpu", pinned=self.device.type == "cuda")
         rows = {s.shape[1:] for s in io.present}
-        if len(rows) != 1 or not all(isinstance(d, int) for d in next(iter(rows))):
+        if io.present and (len(rows) != 1 or not all(isinstance(d, int) for d in next(iter(rows)))):
             raise DsparkError(f"the {graph} graph's present KV outputs must all be [num_tokens, KVH, D] with static "
                               f"KVH and D: re-export the artifact")
-        self.present_buf = _PresentBuffer(torch, self.device, len(io.present), next(iter(rows)),
-                                          self.tdtype[io.present[0].name])
+        # None for a graph without present KV (a DSpark drafter's block pass and context graph)
+        self.present_buf = (_PresentBuffer(torch, self.device, len(io.present), next(iter(rows)),
+                                           self.tdtype[io.present[0].name]) if io.present else None)
         self.stream_handle = int(stream.cuda_stream) if stream is not None and self.device.type == "cuda" else 0
 
     def _on_stream(self):
@@ -175,10 +180,10 @@ class GraphRunner:
             out_shapes = {s.name: pick_output_shape(g, s.name, expected[s.name], ctx.get_tensor_shape(s.name),
                                                     self.where) for s in io.all_outputs}
             n_tokens = {out_shapes[s.name][0] for s in io.present}
-            if len(n_tokens) != 1:
+            if len(n_tokens) > 1:
                 raise DsparkError(f"the {g} engine's present KV outputs disagree on the token count: rebuild with "
                                   f"`dspark-trt build {self.where}`")
-            stacked = self.present_buf.get(n_tokens.pop())
+            stacked = self.present_buf.get(n_tokens.pop()) if io.present else None
             present = [stacked[i] for i in range(len(io.present))]
             for s, t in zip(io.present, present):
                 if tuple(t.shape) != out_shapes[s.name]:
@@ -313,13 +318,14 @@ class TrtBackend:
         where = str(artifact_dir)
         self.artifact_dir, self.manifest, self.torch = artifact_dir, manifest, torch
         self.device, self.stream = device, stream
-        graphs = [g for g in (*GRAPHS, *OPTIONAL_GRAPHS) if g in contexts]
+        required, optional = engine_graphs(_data(manifest))
+        graphs = [g for g in (*required, *optional) if g in contexts]
         self.num_layers = {g: graph_layers(manifest, g) for g in graphs}
         self.runners = {}
         self.calls = Counter()  # runs per graph
         for g in graphs:
             ins, outs = graph_specs(manifest, g)
-            io = split_io(ins, outs, self.num_layers[g], g)
+            io = split_io(ins, outs, self.num_layers[g], g, kv_roles(manifest, g))
             context, eio = contexts[g]
             bound = check_engine_io(g, io, eio, where) if eio is not None else None
             self.runners[g] = GraphRunner(g, context, io, bound, profile_ranges(manifest, g), torch, device, stream,
@@ -338,15 +344,21 @@ class TrtBackend:
     def has_greedy_draft(self) -> bool:
         return GREEDY_DRAFT_GRAPH in self.runners
 
-    def _run(self, graph: str, feeds, past):
+    def run_graph(self, graph: str, feeds, past):
         self.calls[graph] += 1
         return self.runners[graph].run(feeds, past)
 
     def run_draft(self, feeds, past):
-        return self._run("draft", feeds, past)
+        return self.run_graph("draft", feeds, past)
 
     def run_draft_greedy(self, feeds, past):
-        return self._run(GREEDY_DRAFT_GRAPH, feeds, past)
+        return self.run_graph(GREEDY_DRAFT_GRAPH, feeds, past)
 
     def run_target(self, feeds, past):
-        return self._run("target", feeds, past)
+        return self.run_graph("target", feeds, past)
+
+    def dspark_graphs(self):
+        """A DSpark drafter's graphs on these engines (runtime/dspark_graphs.py), for its drafter phase."""
+        from dspark_trt.runtime.dspark_graphs import TrtDsparkGraphs
+
+        return TrtDsparkGraphs(self)

@@ -12,7 +12,7 @@ from typing import Any, Mapping
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.manifest import kv_names
-from dspark_trt.manifest_schema import MODEL_DTYPE_TO_ONNX, OPTIONAL_GRAPHS
+from dspark_trt.manifest_schema import DSPARK_CONTEXT_GRAPH, MODEL_DTYPE_TO_ONNX, engine_graphs
 
 PAST_PREFIX, PRESENT_PREFIX = "past_key_values.", "present."  # manifest.kv_names' prefixes
 GRAPHS = ("draft", "target")
@@ -84,13 +84,24 @@ class GraphIO:
         return [s.name for s in self.feeds + self.past + self.outputs + self.present]
 
 
-def split_io(inputs: list[TensorSpec], outputs: list[TensorSpec], num_layers: int, graph: str = "") -> GraphIO:
-    """Sort a graph's tensors by role; past/present must be exactly the interleaved KV names of num_layers."""
+def kv_roles(manifest: Any, graph: str) -> tuple[bool, bool]:
+    """(reads past KV, returns present KV) of a graph. A DSpark drafter's block pass reads its context cache
+    and returns none; its context graph returns context.* K/V, which come back as host outputs (the drafter
+    writes them into its cache at the verified positions, runtime/dspark_drafting.py)."""
+    if ((_data(manifest).get("draft") or {}).get("kind") == "dspark") and graph != "target":
+        return graph != DSPARK_CONTEXT_GRAPH, False
+    return True, True
+
+
+def split_io(inputs: list[TensorSpec], outputs: list[TensorSpec], num_layers: int, graph: str = "",
+             roles: tuple[bool, bool] = (True, True)) -> GraphIO:
+    """Sort a graph's tensors by role; past/present must be exactly the interleaved KV names of num_layers
+    (or absent, where `roles` (kv_roles) says the graph has none)."""
     by_name = {s.name: s for s in inputs + outputs}
     past_in = [s.name for s in inputs if s.kind == "past"]
     present_out = [s.name for s in outputs if s.kind == "present"]
-    for kind, got in (("past", past_in), ("present", present_out)):
-        want = kv_names(num_layers, kind)
+    for kind, got, has in (("past", past_in, roles[0]), ("present", present_out, roles[1])):
+        want = kv_names(num_layers, kind) if has else []
         if sorted(got) != sorted(want):
             missing = sorted(set(want) - set(got))
             extra = sorted(set(got) - set(want))
@@ -98,9 +109,9 @@ def split_io(inputs: list[TensorSpec], outputs: list[TensorSpec], num_layers: in
             raise DsparkError(f"the {graph} graph's KV {kind} tensors do not match its {num_layers} layers "
                               f"({what}): re-export the artifact")
     return GraphIO(feeds=[s for s in inputs if s.kind == "feed"],
-                   past=[by_name[n] for n in kv_names(num_layers, "past")],
+                   past=[by_name[n] for n in kv_names(num_layers, "past")] if roles[0] else [],
                    outputs=[s for s in outputs if s.kind == "output"],
-                   present=[by_name[n] for n in kv_names(num_layers, "present")])
+                   present=[by_name[n] for n in kv_names(num_layers, "present")] if roles[1] else [])
 
 
 def host_output_names(outputs: list[TensorSpec]) -> list[str]:
@@ -239,10 +250,11 @@ def _as_manifest(manifest: Any, artifact_dir):
 
 
 def select_engines(manifest: Any, artifact_dir, trt_version: str, compute_capability) -> dict[str, tuple[Path, dict]]:
-    """{graph: (engine path, manifest engine entry)} for both graphs, or DsparkError saying what to build:
-    no engines, an engine for another TensorRT / GPU, one built from an older export, a missing or
-    modified engine file. An optional graph (draft_greedy) is included when the artifact has it and an
-    engine was built for it (engines built before it existed run without it)."""
+    """{graph: (engine path, manifest engine entry)} for the graphs `engine_graphs` names, or DsparkError
+    saying what to build: no engines, an engine for another TensorRT / GPU, one built from an older export,
+    a missing or modified engine file. An optional graph (draft_greedy; a DSpark draft_sample) is included
+    when the artifact has it and an engine was built for it (engines built before it existed run without
+    it)."""
     from dspark_trt.runtime.engine_check import check_engine_compat, verify_engine_file
 
     m = _as_manifest(manifest, artifact_dir)
@@ -250,8 +262,8 @@ def select_engines(manifest: Any, artifact_dir, trt_version: str, compute_capabi
         raise DsparkError(no_engines_message(artifact_dir))
     files = m.files
     out = {}
-    optional = [g for g in OPTIONAL_GRAPHS if g in m.graphs and g in m.engines]
-    for g in (*GRAPHS, *optional):
+    required, optional = engine_graphs(m.data)
+    for g in (*required, *(g for g in optional if g in m.engines)):
         entry = check_engine_compat(m, g, trt_version, compute_capability)
         onnx_file = (m.graphs.get(g) or {}).get("file")
         current = (files.get(onnx_file) or {}).get("sha256") if onnx_file else None

@@ -16,6 +16,7 @@ import time
 
 import numpy as np
 
+from dspark_trt.manifest_schema import DSPARK_SAMPLE_GRAPH
 from dspark_trt.runtime.phases.drafter import Draft, DraftRound, draft_room
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.config import fixed_k_limit
@@ -36,6 +37,13 @@ class DsparkDrafter:
         self.correction, self.costs, self.metrics = correction, costs, metrics
         self.spec_limit = fixed_k_limit("dspark", self.max_draft)
         self._pending: dict[int, list[tuple[np.ndarray, int]]] = {}  # slot -> verified aux rows not yet in the cache
+
+    def refusal(self, config, mode) -> str | None:
+        """Why a request cannot run (checked at submit), or None: a sampled request that may draft needs
+        the sampling graph."""
+        if config.temperature > 0 and mode.kind != "off" and not self.drafting.can_sample:
+            return self.drafting.graphs.missing(DSPARK_SAMPLE_GRAPH)
+        return None
 
     def cap(self, r: Request, depth: int) -> int:
         """Most drafts request r gets this step: fixed:K -> K; adaptive -> the whole block when the depth
