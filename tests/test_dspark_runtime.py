@@ -183,3 +183,30 @@ def test_a_request_that_does_not_draft_costs_no_context_call(artifact):
         rt.close()
     assert res.token_ids == ref.token_ids and res.stats["drafted_tokens"] == 0
     assert graphs.calls["dspark_context"] == 0
+
+
+def test_held_back_context_rows_are_bounded_in_memory_largest_queues_first(artifact):
+    """Requests that do not draft hold their verified rows back, whatever their length (no context call with
+    the default bound); past pending_limit bytes the largest queues enter the cache until half is left,
+    and the output is the same."""
+    rt = Runtime.load(artifact, profile="none")
+    rt.cost = CostTable(np.r_[0.0, 1.0 + 0.001 * np.arange(200)], np.r_[0.0, np.full(16, 1e6)], bounds=(1.0, 1.0))
+    drafter, graphs = rt.drafter, rt.drafter.drafting.graphs
+    cfg = GenerationConfig(max_new_tokens=70, spec="adaptive", stop_at_eos=False)
+    try:
+        free = rt.generate(PROMPTS, cfg)
+        assert graphs.calls["dspark_context"] == 0 and drafter.pending_bytes == 0  # finished: nothing kept
+        row = drafter.drafting.graphs.sessions["dspark_context"].get_inputs()[0].shape[-1] * 4
+        drafter.pending_limit = 40 * row
+        seen = []
+        observe = drafter.observe
+
+        def watched(batch, result):
+            observe(batch, result)
+            seen.append(drafter.pending_bytes)
+        drafter.observe = watched
+        bounded = rt.generate(PROMPTS, cfg)
+    finally:
+        rt.close()
+    assert [o.token_ids for o in bounded] == [o.token_ids for o in free]
+    assert graphs.calls["dspark_context"] > 0 and max(seen) <= 40 * row

@@ -21,7 +21,11 @@ from dspark_trt.runtime.phases.drafter import Draft, DraftRound, draft_room
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.config import fixed_k_limit
 
-PENDING_MAX = 64  # verified rows a slot may hold back before they enter the context cache anyway
+# Verified aux rows all slots together may hold back (bytes) before the largest queues enter the context
+# cache anyway. Bounded in memory, not in rows a slot: a request that never drafts again (high load, where
+# plain decoding wins) then finishes without a context call, where a per-slot row limit made every such
+# request pay its context KV (measured: 5% of the wall at 64 requests on the bundled pair).
+PENDING_BYTES = 256 << 20
 
 __all__ = ["DsparkDrafter"]
 
@@ -37,6 +41,8 @@ class DsparkDrafter:
         self.correction, self.costs, self.metrics = correction, costs, metrics
         self.spec_limit = fixed_k_limit("dspark", self.max_draft)
         self._pending: dict[int, list[tuple[np.ndarray, int]]] = {}  # slot -> verified aux rows not yet in the cache
+        self.pending_bytes = 0
+        self.pending_limit = PENDING_BYTES
 
     def refusal(self, config, mode) -> str | None:
         """Why a request cannot run (checked at submit), or None: a sampled request that may draft needs
@@ -96,8 +102,9 @@ class DsparkDrafter:
         """After commit: the verified tokens' aux rows join their request's draft context, lazily.
 
         Rows wait in a per-slot queue and enter the context cache in one batched context call just before
-        the slot drafts (or once PENDING_MAX rows wait): a request that does not draft for a while (high
-        load, where plain decoding wins) costs no context call per step."""
+        the slot drafts (or, once the queues hold more than pending_limit bytes, the largest queues until
+        they hold half of it): a request that does not draft (high load, where plain decoding wins) costs
+        no context call, and one that finishes without drafting again never makes one."""
         if result.aux is None:
             return
         nd = len(batch.decode)
@@ -106,7 +113,7 @@ class DsparkDrafter:
                 continue  # it never drafts: no context to keep
             if r.finished:
                 self.drafting.release(r.slot)
-                self._pending.pop(r.slot, None)
+                self._drop(r.slot)
                 continue
             if i < nd:
                 kept = 1 + int(min(result.accepted[i], result.verify_lens[i]))  # the anchor and the accepted drafts
@@ -115,15 +122,32 @@ class DsparkDrafter:
             if kept:
                 start, queue = int(result.past_lens[i]), self._pending.setdefault(r.slot, [])
                 if queue and queue[-1][1] + queue[-1][0].shape[0] != start:
-                    queue.clear()  # rows of an earlier request on this slot (cancelled between steps)
-                queue.append((result.aux[i][:kept], start))
-        self._flush([s for s, q in self._pending.items() if sum(a.shape[0] for a, _ in q) >= PENDING_MAX])
+                    self._drop(r.slot)  # rows of an earlier request on this slot (cancelled between steps)
+                    queue = self._pending.setdefault(r.slot, [])
+                rows = result.aux[i][:kept]
+                queue.append((rows, start))
+                self.pending_bytes += rows.nbytes
+        if self.pending_bytes > self.pending_limit:
+            sizes = sorted(((sum(a.nbytes for a, _ in q), s) for s, q in self._pending.items()), reverse=True)
+            largest, left = [], self.pending_bytes
+            for size, slot in sizes:
+                if left <= self.pending_limit // 2:
+                    break
+                largest.append(slot)
+                left -= size
+            self._flush(largest)
+
+    def _drop(self, slot: int) -> list | None:
+        queue = self._pending.pop(slot, None)
+        if queue:
+            self.pending_bytes -= sum(a.nbytes for a, _ in queue)
+        return queue
 
     def _flush(self, slots) -> None:
         """Write the waiting rows of `slots` into the context cache (one context-graph call)."""
         items = []
         for slot in slots:
-            queue = self._pending.pop(slot, None)
+            queue = self._drop(slot)
             if queue:  # contiguous segments: one item per slot
                 items.append((slot, np.concatenate([a for a, _ in queue]), queue[0][1]))
         self.drafting.observe_many(items)
