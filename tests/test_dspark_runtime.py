@@ -135,8 +135,38 @@ def test_other_backends_and_export_options_that_do_not_apply_are_refused(artifac
     src = load_manifest(artifact)["sources"]
     with pytest.raises(DsparkError, match="^--head does not apply to the DSpark drafter"):
         export_artifacts(src["target"], src["draft"], tmp_path / "a", head_dir=tmp_path)
-    with pytest.raises(DsparkError, match="^--dtype fp16: a DSpark drafter exports in fp32 only"):
-        export_artifacts(src["target"], src["draft"], tmp_path / "a", dtype="fp16")
+    with pytest.raises(DsparkError, match="^--dtype bf16: a DSpark drafter exports in fp32 or fp16"):
+        export_artifacts(src["target"], src["draft"], tmp_path / "a", dtype="bf16")
+
+
+@pytest.mark.slow
+def test_an_fp16_dspark_artifact_runs_lossless_and_drafts_like_the_fp32_one(tmp_path_factory, tmp_path):
+    """--dtype fp16: every graph's weights, the target's aux rows and both KV caches in fp16 (the Markov
+    stage and the confidences in float32); greedy output with speculation equals off's, and the drafts
+    of the first step mostly equal the fp32 artifact's."""
+    import onnx
+
+    from tests.dspark_fixtures import ARTIFACT_VARIANTS, make_artifact
+
+    artifact = cached_artifact(tmp_path_factory, "full", **ARTIFACT_VARIANTS["full"])
+    art = make_artifact(tmp_path, dtype="fp16", **ARTIFACT_VARIANTS["full"])
+    m = load_manifest(art)
+    assert m.model["dtype"] == "fp16"
+    for graph in ("target", "draft", "dspark_context"):
+        inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(art / m.graphs[graph]["file"])).graph.input}
+        assert inputs["past_key_values.0.key" if graph != "dspark_context" else "aux_hidden"] == onnx.TensorProto.FLOAT16
+    out = {}
+    for a in (art, artifact):
+        rt = Runtime.load(a, profile="none")
+        try:
+            assert rt.drafter.drafting.cache.keys[0].dtype == (np.float16 if a == art else np.float32)
+            out[a] = {spec: [o.token_ids for o in rt.generate(PROMPTS, GenerationConfig(max_new_tokens=16, spec=spec))]
+                      for spec in ("off", "fixed:3", "adaptive")}
+        finally:
+            rt.close()
+    assert out[art]["fixed:3"] == out[art]["off"] and out[art]["adaptive"] == out[art]["off"]
+    same = sum(a == b for x, y in zip(out[art]["off"], out[artifact]["off"]) for a, b in zip(x, y))
+    assert same >= 0.9 * sum(len(x) for x in out[artifact]["off"])  # fp16 rounding may flip a near tie
 
 
 def test_a_sampled_request_without_the_sampling_graph_is_refused_in_one_line(artifact):

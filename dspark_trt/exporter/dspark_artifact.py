@@ -23,7 +23,8 @@ from dspark_trt.manifest_schema import DSPARK_SAMPLE_GRAPH
 
 
 def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
-                           overwrite: bool = False, progress: bool = False, ort_flavour: str = "fused") -> Path:
+                           overwrite: bool = False, progress: bool = False, ort_flavour: str = "fused",
+                           dtype: str = "fp32") -> Path:
     """ort_flavour "fused" also writes the ORT flavour (exporter/ort_flavour.py) of the target
     (`target_aux.ort.onnx`) and of the drafter's block-pass graphs (`dspark_draft.ort.onnx`,
     `dspark_draft_sample.ort.onnx`); the context graph has one form."""
@@ -35,7 +36,9 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     from dspark_trt.exporter.ort_flavour import check_flavour, ort_file, record_ort_graph
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
     from dspark_trt.manifest import Manifest
-    from dspark_trt.models.checkpoint import load_decoder
+    from dspark_trt.exporter.dspark_export import with_dtype
+    from dspark_trt.models.checkpoint import load_decoder, torch_dtype
+    from dspark_trt.models.decoder import rope_inv_freq
     from dspark_trt.models.dspark_drafter import load_dspark_drafter
     from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 
@@ -51,12 +54,14 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
         raise DsparkError("--max-batch must be >= 2 for a DSpark artifact")
     bar = tqdm(total=5, desc="export", disable=not progress, unit="stage")
     bar.set_postfix_str("loading models")
-    target = load_decoder(target_dir)
+    target = load_decoder(target_dir, dtype)
     if max_context > target.config.max_position_embeddings:
         raise DsparkError(f"--max-context {max_context} exceeds the target's max_position_embeddings "
                           f"{target.config.max_position_embeddings}")
     drafter = load_dspark_drafter(draft_dir, target_dir)
     cfg = drafter.cfg
+    if dtype != "fp32":
+        drafter = with_dtype(drafter, torch_dtype(dtype), rope_inv_freq(cfg.layers))
     n = cfg.num_draft
     bar.update()
     staging = Staging(out_dir.parent, ".export-")
@@ -87,7 +92,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
         manifest = Manifest.create(
             model={"arch": tc.model_type, "vocab_size": tc.vocab_size, "hidden_size": tc.hidden_size,
                    "num_layers": tc.num_hidden_layers, "num_kv_heads": tc.num_key_value_heads,
-                   "head_dim": tc.head_dim, "dtype": "fp32", "max_context": max_context,
+                   "head_dim": tc.head_dim, "dtype": dtype, "max_context": max_context,
                    "num_attention_heads": tc.num_attention_heads, "intermediate_size": tc.intermediate_size},
             draft={"arch": lc.model_type, "hidden_size": lc.hidden_size, "num_layers": lc.num_hidden_layers,
                    "num_kv_heads": lc.num_key_value_heads, "head_dim": lc.head_dim, "max_draft": n,

@@ -47,6 +47,14 @@ def past_names(num_layers: int) -> list[str]:
     return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
 
 
+def with_dtype(module: nn.Module, dtype: torch.dtype, inv_freq: torch.Tensor) -> nn.Module:
+    """module's floating weights in dtype, its rotary frequencies (a computed buffer) kept in float32, as
+    the classic export's decoders keep them (checkpoint.load_decoder)."""
+    module = module.to(dtype)
+    module.inv_freq = inv_freq
+    return module
+
+
 def markov_op(inputs: list, steps: int, logit_scale: float, draft_topk: int):
     """MarkovDraft (7 inputs) or MarkovSample (9: + temperature, uniforms): one custom ONNX node under
     export, the numpy reference in eager mode."""
@@ -133,20 +141,21 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
     "draft_ort" ("sample_ort") beside the standard files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    drafter = drafter.float().eval()
+    drafter = drafter.eval()  # in its dtype (with_dtype); the Markov stage and the confidences run in float32
+    dtype = drafter.lm_head.weight.dtype
     cfg = drafter.cfg
     layers = cfg.layers.num_hidden_layers
     dim = torch.export.Dim
     t, r, p = dim("num_tokens", min=1), dim("num_requests", min=1), dim("past_len", min=1)
 
     feat = cfg.target_hidden_size * len(cfg.aux_layers)
-    ctx_args = (torch.randn(EX_PAST + 1, feat), torch.arange(EX_PAST + 1, dtype=torch.int64))
+    ctx_args = (torch.randn(EX_PAST + 1, feat, dtype=dtype), torch.arange(EX_PAST + 1, dtype=torch.int64))
     _export(DsparkContextGraph(drafter), ctx_args, CONTEXT_INPUTS, context_names(layers),
             ({0: t}, {0: t}), out_dir / CONTEXT_FILE)
 
     ex_r = 3 if num_slots >= 3 else num_slots
     kv_shape = (EX_PAST, num_slots, cfg.layers.num_key_value_heads, cfg.layers.head_dim)
-    past = tuple(torch.randn(kv_shape) for _ in range(2 * layers))
+    past = tuple(torch.randn(kv_shape, dtype=dtype) for _ in range(2 * layers))
     draft_args = (torch.tensor([3, 1, 4][:ex_r], dtype=torch.int64),
                   torch.tensor([EX_PAST, 2, 4][:ex_r], dtype=torch.int64),
                   torch.tensor([2, 0, 1][:ex_r], dtype=torch.int64) % num_slots, *past)
@@ -208,12 +217,14 @@ class DsparkTargetStep(nn.Module):
 
 
 def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int, ort_fused_positions: int = 0) -> Path:
-    """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export).
-    ort_fused_positions > 0: its ORT flavour instead (models/ort_fused.py, rotary tables that long)."""
+    """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export), in
+    the decoder's dtype. ort_fused_positions > 0: its ORT flavour instead (models/ort_fused.py, rotary
+    tables that long)."""
     from dspark_trt.exporter import onnx_export as ox
     from dspark_trt.manifest import TARGET_INPUTS, TARGET_OUTPUTS, kv_names
 
-    decoder = decoder.float().eval()
+    decoder = decoder.eval()
+    dtype = decoder.lm_head.weight.dtype
     if ort_fused_positions:
         from dspark_trt.models.ort_fused import FusedDecoder
 
@@ -228,7 +239,7 @@ def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int
               draft_probs=torch.full((m, decoder.config.vocab_size), 1.0 / decoder.config.vocab_size),
               temperature=torch.tensor([0.0, 0.7, 1.0]), accept_uniforms=torch.full((m,), 0.5),
               sample_uniforms=torch.tensor([0.1, 0.5, 0.9]))
-    args = tuple(ex[k] for k in TARGET_INPUTS) + tuple(ox._past(decoder, num_slots, torch.float32))
+    args = tuple(ex[k] for k in TARGET_INPUTS) + tuple(ox._past(decoder, num_slots, dtype))
     layers = step.num_layers
     outputs = list(TARGET_OUTPUTS) + kv_names(layers, "present") + ["aux_hidden"]
     _export(step, args, list(TARGET_INPUTS) + kv_names(layers, "past"), outputs,

@@ -180,7 +180,8 @@ def _export_dspark(target_dir, draft_dir, out_dir, head_dir, max_batch, max_cont
     if head_dir is not None:
         raise DsparkError(f"--head does not apply to the DSpark drafter {draft_dir}: its confidence head is "
                           "part of its checkpoint")
-    if dtype != "fp32":
-        raise DsparkError(f"--dtype {dtype}: a DSpark drafter exports in fp32 only for now; pass --dtype fp32")
+    if dtype not in ("fp32", "fp16"):
+        raise DsparkError(f"--dtype {dtype}: a DSpark drafter exports in fp32 or fp16 (bf16 is not supported "
+                          "for DSpark drafters yet); pass --dtype fp16")
     return export_dspark_artifact(target_dir, draft_dir, out_dir, max_batch=max_batch, max_context=max_context,
-                                  overwrite=overwrite, progress=progress, ort_flavour=ort_flavour)
+                                  overwrite=overwrite, progress=progress, ort_flavour=ort_flavour, dtype=dtype)

@@ -38,16 +38,18 @@ class DsparkDraft(NamedTuple):
 class DsparkDrafting:
     """graphs: where the graphs run (runtime/dspark_graphs.py: ORT sessions or TensorRT engines);
     make_cache(layers, max_context, slots, kv_heads, head_dim, dtype): the context cache (the runtime's
-    host KVCache, or the trt backend's device cache, which the block pass engine then reads in place)."""
+    host KVCache, or the trt backend's device cache, which the block pass engine then reads in place);
+    dtype: the artifact's (manifest model.dtype), the context cache's and the aux rows'."""
 
-    def __init__(self, graphs, *, num_slots: int, max_context: int, make_cache=KVCache):
+    def __init__(self, graphs, *, num_slots: int, max_context: int, make_cache=KVCache, dtype=np.float32):
         self.graphs = graphs
         self.num_layers, slots, kv_heads, head_dim = graphs.geometry()
         if isinstance(slots, int) and slots != num_slots:
             raise DsparkError(f"the DSpark draft graph in {graphs.where} was exported for {slots} cache slots, "
                               f"not {num_slots}")
         self.num_slots, self.max_context = num_slots, max_context
-        self.cache = make_cache(self.num_layers, max_context, num_slots, kv_heads, head_dim, np.float32)
+        self.dtype = np.dtype(dtype)
+        self.cache = make_cache(self.num_layers, max_context, num_slots, kv_heads, head_dim, self.dtype)
         self.context_len = np.zeros(num_slots, np.int64)
 
     @classmethod
@@ -69,8 +71,10 @@ class DsparkDrafting:
         m = load_manifest(artifact_dir)
         if m.drafter_kind != "dspark":
             raise DsparkError(f"{artifact_dir} holds a {m.drafter_kind} drafter, not a DSpark one")
+        from dspark_trt.runtime.kv_cache import kv_numpy_dtype
+
         return cls(OrtDsparkGraphs.from_manifest(artifact_dir, m, threads), num_slots=m.limits["max_batch"],
-                   max_context=m.limits["max_context"])
+                   max_context=m.limits["max_context"], dtype=kv_numpy_dtype(m.model["dtype"]))
 
     @property
     def can_sample(self) -> bool:
@@ -96,7 +100,7 @@ class DsparkDrafting:
             return
         for slot, aux, start in items:
             self._check_room(slot, start, aux.shape[0])
-        aux = np.ascontiguousarray(np.concatenate([a for _, a, _ in items]), np.float32)
+        aux = np.ascontiguousarray(np.concatenate([a for _, a, _ in items]), self.dtype)
         positions = np.concatenate([np.arange(st, st + a.shape[0], dtype=np.int64) for _, a, st in items])
         slots = np.concatenate([np.full(a.shape[0], s, np.int64) for s, a, _ in items])
         step = self.graphs.max_context_rows or len(aux)

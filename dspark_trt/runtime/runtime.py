@@ -126,7 +126,7 @@ class Runtime:
             on_backend = getattr(self.backend, "dspark_graphs", None)
             graphs = on_backend() if on_backend else OrtDsparkGraphs.from_manifest(self.artifact_dir, self.manifest)
             drafting = DsparkDrafting(graphs, num_slots=self.slots_total, max_context=self.max_context,
-                                      make_cache=make_cache)
+                                      make_cache=make_cache, dtype=kv_dtype)
             return DsparkDrafter(drafting, self.tuning, limits, self.survival_correction, self.costs, self.metrics)
         d = self.manifest["draft"]
         self.draft_kv = make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"],
