@@ -152,7 +152,7 @@ def agreeing_lm_heads(target_dir: Path, draft_dir: Path, seed: int = 0) -> None:
 
 
 def make_artifact(root: Path, *, arch: str = "llama", seed: int = 0, max_batch: int = 8, max_context: int = 96,
-                  agree: bool = True, dtype: str = "fp32", **draft_kw) -> Path:
+                  agree: bool = True, dtype: str = "fp32", external_data: str = "auto", **draft_kw) -> Path:
     """A runnable artifact: a random target (with a small BPE tokenizer) and a random DSpark drafter for it,
     exported by `dspark-trt export`'s library call (it dispatches on the draft's format). agree: the lm_heads
     rewritten so drafts are often, not always, accepted (agreeing_lm_heads)."""
@@ -166,7 +166,7 @@ def make_artifact(root: Path, *, arch: str = "llama", seed: int = 0, max_batch: 
     if agree:
         agreeing_lm_heads(target_dir, draft_dir, seed=seed + 2)
     return export_artifacts(target_dir, draft_dir, root / "art", max_batch=max_batch, max_context=max_context,
-                            progress=False, dtype=dtype)
+                            progress=False, dtype=dtype, external_data=external_data)
 
 
 def cached_artifact(tmp_path_factory, name: str, **kw) -> Path:

@@ -142,16 +142,20 @@ def test_other_backends_and_export_options_that_do_not_apply_are_refused(artifac
 @pytest.mark.slow
 def test_an_fp16_dspark_artifact_runs_lossless_and_drafts_like_the_fp32_one(tmp_path_factory, tmp_path):
     """--dtype fp16: every graph's weights, the target's aux rows and both KV caches in fp16 (the Markov
-    stage and the confidences in float32); greedy output with speculation equals off's, and the drafts
-    of the first step mostly equal the fp32 artifact's."""
+    stage and the confidences in float32); greedy output with speculation equals off's, and mostly the
+    fp32 artifact's. Exported with --external-data always (as a real-size target's graphs are): every
+    graph's weights in its `.data` file, hashed in the manifest."""
     import onnx
 
     from tests.dspark_fixtures import ARTIFACT_VARIANTS, make_artifact
 
     artifact = cached_artifact(tmp_path_factory, "full", **ARTIFACT_VARIANTS["full"])
-    art = make_artifact(tmp_path, dtype="fp16", **ARTIFACT_VARIANTS["full"])
+    art = make_artifact(tmp_path, dtype="fp16", external_data="always", **ARTIFACT_VARIANTS["full"])
     m = load_manifest(art)
-    assert m.model["dtype"] == "fp16"
+    assert m.model["dtype"] == "fp16" and m.verify_hashes() == []
+    for graph, spec in m.graphs.items():
+        for file in (spec["file"], *([spec["ort"]["file"]] if "ort" in spec else [])):
+            assert f"{file}.data" in m.files and (art / f"{file}.data").stat().st_size > 0, file
     for graph in ("target", "draft", "dspark_context"):
         inputs = {i.name: i.type.tensor_type.elem_type for i in onnx.load(str(art / m.graphs[graph]["file"])).graph.input}
         assert inputs["past_key_values.0.key" if graph != "dspark_context" else "aux_hidden"] == onnx.TensorProto.FLOAT16

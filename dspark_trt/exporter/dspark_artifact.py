@@ -24,10 +24,11 @@ from dspark_trt.manifest_schema import DSPARK_SAMPLE_GRAPH
 
 def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8, max_context: int = 1024,
                            overwrite: bool = False, progress: bool = False, ort_flavour: str = "fused",
-                           dtype: str = "fp32") -> Path:
+                           dtype: str = "fp32", external_data: str = "auto") -> Path:
     """ort_flavour "fused" also writes the ORT flavour (exporter/ort_flavour.py) of the target
     (`target_aux.ort.onnx`) and of the drafter's block-pass graphs (`dspark_draft.ort.onnx`,
-    `dspark_draft_sample.ort.onnx`); the context graph has one form."""
+    `dspark_draft_sample.ort.onnx`); the context graph has one form. external_data: as for classic
+    artifacts (exporter/external_data.py: a graph's weights over 1 GiB go to `<file>.data` under auto)."""
     from tqdm import tqdm
 
     from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
@@ -35,8 +36,9 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     from dspark_trt.exporter.export import _io, plan_dims
     from dspark_trt.exporter.ort_flavour import check_flavour, ort_file, record_ort_graph
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
-    from dspark_trt.manifest import Manifest
     from dspark_trt.exporter.dspark_export import with_dtype
+    from dspark_trt.exporter.external_data import use_external
+    from dspark_trt.manifest import Manifest
     from dspark_trt.models.checkpoint import load_decoder, torch_dtype
     from dspark_trt.models.decoder import rope_inv_freq
     from dspark_trt.models.dspark_drafter import load_dspark_drafter
@@ -44,6 +46,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
 
     target_dir, draft_dir, out_dir = Path(target_dir), Path(draft_dir), Path(out_dir)
     check_flavour(ort_flavour)
+    use_external(external_data, 0)  # a bad mode is refused before the models load
     check_out_dir(out_dir, "--out")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise DsparkError(f"{out_dir} exists and is not empty; pass --force to overwrite it")
@@ -68,18 +71,20 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     tmp = staging.path
     try:
         bar.set_postfix_str(TARGET_FILE)
-        export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch)
-        written = [TARGET_FILE]
-        if ort_flavour == "fused":
-            written.append(ort_file(TARGET_FILE.removesuffix(".onnx")))
-            export_target_with_aux(target, cfg.aux_layers, tmp / written[-1], num_slots=max_batch,
-                                   ort_fused_positions=max_context)
+        written = export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch,
+                                         external_data=external_data)
+        fused = ort_flavour == "fused"
+        target_ort = ort_file(TARGET_FILE.removesuffix(".onnx"))
+        if fused:
+            written += export_target_with_aux(target, cfg.aux_layers, tmp / target_ort, num_slots=max_batch,
+                                              ort_fused_positions=max_context, external_data=external_data)
         del target
         bar.update()
         bar.set_postfix_str("DSpark drafter graphs")
-        fused = ort_flavour == "fused"
         drafter_files = export_dspark(drafter, tmp, num_slots=max_batch, sample=True,
-                                      ort_fused_positions=max_context if fused else 0)
+                                      ort_fused_positions=max_context if fused else 0, external_data=external_data)
+        for path in drafter_files.values():
+            written += [f.name for f in (path, Path(f"{path}.data")) if f.is_file()]
         bar.update()
         bar.set_postfix_str("manifest")
         tokenizer = tokenizer_facts(target_dir)
@@ -104,13 +109,12 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                     DSPARK_SAMPLE_GRAPH: {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
                     CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}})
         if fused:
-            record_ort_graph(manifest["graphs"], "target", _io(tmp / written[-1]), file=written[-1])
-            for graph, key in (("draft", "draft_ort"), ("draft_sample", "sample_ort")):
+            record_ort_graph(manifest["graphs"], "target", _io(tmp / target_ort), file=target_ort)
+            for graph, key in (("draft", "draft_ort"), (DSPARK_SAMPLE_GRAPH, "sample_ort")):
                 path = drafter_files[key]
                 record_ort_graph(manifest["graphs"], graph, _io(path), file=path.name)
-                written.append(path.name)
         manifest["sources"] = {"target": str(target_dir.resolve()), "draft": str(draft_dir.resolve()), "head": None}
-        for name in (DRAFT_FILE, SAMPLE_FILE, *written, CONTEXT_FILE, *tokenizer["files"]):
+        for name in (*written, *tokenizer["files"]):
             manifest.record_file(tmp, name)
         manifest.save(tmp)
         bar.update()

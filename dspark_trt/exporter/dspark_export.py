@@ -116,24 +116,22 @@ class DsparkDraftGraph(nn.Module):
         return (toks, conf, surv, *probs)
 
 
-def _export(module, args, input_names, output_names, dynamic_shapes, path: Path) -> None:
-    import onnx
-
+def _export(module, args, input_names, output_names, dynamic_shapes, path: Path, external_data: str) -> list[str]:
+    """Export and save one graph (weights in `<file>.data` when external_data says so: see
+    exporter/external_data.py); returns the files written."""
+    from dspark_trt.exporter.external_data import save_program
     from dspark_trt.plugins.onnx_functions import attach_functions
 
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamo=True, input_names=input_names, output_names=output_names,
-                                    dynamic_shapes=dynamic_shapes, optimize=True, verbose=False,
-                                    external_data=False)
-    model = program.model_proto
-    attach_functions(model)
-    onnx.save(model, str(path))
+                                    dynamic_shapes=dynamic_shapes, optimize=True, verbose=False)
+    return save_program(program, Path(path), external_data, attach_functions)
 
 
 def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
                   temperatures: list[float] | None = None, sample: bool = False,
-                  ort_fused_positions: int = 0) -> dict[str, Path]:
+                  ort_fused_positions: int = 0, external_data: str = "auto") -> dict[str, Path]:
     """Write the graphs into out_dir; returns {"context": path, "draft": path} (+ "sample": the
     MarkovSample flavour of the draft graph, for batches with sampled requests, when sample=True).
     ort_fused_positions > 0 also writes the ORT flavour of the draft (and sample) graph, its block pass
@@ -151,7 +149,7 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
     feat = cfg.target_hidden_size * len(cfg.aux_layers)
     ctx_args = (torch.randn(EX_PAST + 1, feat, dtype=dtype), torch.arange(EX_PAST + 1, dtype=torch.int64))
     _export(DsparkContextGraph(drafter), ctx_args, CONTEXT_INPUTS, context_names(layers),
-            ({0: t}, {0: t}), out_dir / CONTEXT_FILE)
+            ({0: t}, {0: t}), out_dir / CONTEXT_FILE, external_data)
 
     ex_r = 3 if num_slots >= 3 else num_slots
     kv_shape = (EX_PAST, num_slots, cfg.layers.num_key_value_heads, cfg.layers.head_dim)
@@ -169,7 +167,7 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
     for suffix, block in blocks.items():
         paths["draft" + suffix] = out_dir / ort_variant(DRAFT_FILE, suffix)
         _export(DsparkDraftGraph(drafter, temperatures, block=block), draft_args, DRAFT_INPUTS + past_names(layers),
-                DRAFT_OUTPUTS, shapes, paths["draft" + suffix])
+                DRAFT_OUTPUTS, shapes, paths["draft" + suffix], external_data)
     if sample:
         n = cfg.num_draft
         sample_args = draft_args[:3] + (torch.tensor([0.0, 0.7, 1.0][:ex_r]), torch.rand(ex_r, n)) + past
@@ -178,7 +176,7 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
             paths["sample" + suffix] = out_dir / ort_variant(SAMPLE_FILE, suffix)
             _export(DsparkDraftGraph(drafter, temperatures, sample=True, block=block), sample_args,
                     DRAFT_INPUTS + SAMPLE_INPUTS + past_names(layers), DRAFT_OUTPUTS + ["draft_probs"], shapes,
-                    paths["sample" + suffix])
+                    paths["sample" + suffix], external_data)
     return paths
 
 
@@ -216,10 +214,11 @@ class DsparkTargetStep(nn.Module):
         return (accepted, next_token, *present, aux)
 
 
-def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int, ort_fused_positions: int = 0) -> Path:
+def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int, ort_fused_positions: int = 0,
+                           external_data: str = "auto") -> list[str]:
     """The target graph of a DSpark artifact (same inputs and example sizes as exporter.onnx_export), in
     the decoder's dtype. ort_fused_positions > 0: its ORT flavour instead (models/ort_fused.py, rotary
-    tables that long)."""
+    tables that long). Returns the files written."""
     from dspark_trt.exporter import onnx_export as ox
     from dspark_trt.manifest import TARGET_INPUTS, TARGET_OUTPUTS, kv_names
 
@@ -242,6 +241,5 @@ def export_target_with_aux(decoder, aux_layers, path: str | Path, num_slots: int
     args = tuple(ex[k] for k in TARGET_INPUTS) + tuple(ox._past(decoder, num_slots, dtype))
     layers = step.num_layers
     outputs = list(TARGET_OUTPUTS) + kv_names(layers, "present") + ["aux_hidden"]
-    _export(step, args, list(TARGET_INPUTS) + kv_names(layers, "past"), outputs,
-            ox._dynamic_shapes(TARGET_INPUTS, layers), Path(path))
-    return Path(path)
+    return _export(step, args, list(TARGET_INPUTS) + kv_names(layers, "past"), outputs,
+                   ox._dynamic_shapes(TARGET_INPUTS, layers), Path(path), external_data)

@@ -93,7 +93,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
 
     if is_dspark_dir(draft_dir):
         return _export_dspark(target_dir, draft_dir, out_dir, head_dir, max_batch, max_context, dtype, overwrite,
-                              progress, ort_flavour)
+                              progress, ort_flavour, external_data)
     if head_dir is None and has_head(draft_dir):  # dspark_head/ subfolder, or a legacy top-level head
         head_dir = draft_dir
     if head_dir is not None and not Path(head_dir).is_dir():
@@ -172,7 +172,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
 
 
 def _export_dspark(target_dir, draft_dir, out_dir, head_dir, max_batch, max_context, dtype, overwrite,
-                   progress, ort_flavour) -> Path:
+                   progress, ort_flavour, external_data) -> Path:
     """A DSpark drafter (vLLM's format): its block size is the draft length and its confidence head is in
     its checkpoint, so --max-draft and --head do not apply (exporter/dspark_artifact.py)."""
     from dspark_trt.exporter.dspark_artifact import export_dspark_artifact
@@ -184,4 +184,5 @@ def _export_dspark(target_dir, draft_dir, out_dir, head_dir, max_batch, max_cont
         raise DsparkError(f"--dtype {dtype}: a DSpark drafter exports in fp32 or fp16 (bf16 is not supported "
                           "for DSpark drafters yet); pass --dtype fp16")
     return export_dspark_artifact(target_dir, draft_dir, out_dir, max_batch=max_batch, max_context=max_context,
-                                  overwrite=overwrite, progress=progress, ort_flavour=ort_flavour, dtype=dtype)
+                                  overwrite=overwrite, progress=progress, ort_flavour=ort_flavour, dtype=dtype,
+                                  external_data=external_data)
