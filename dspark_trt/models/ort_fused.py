@@ -127,9 +127,50 @@ class FusedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class FusedLayers(nn.Module):
+    """A stack of decoder layers in the ORT flavour (a target's, or a DSpark drafter's block pass): shares
+    the layers' norms and output projections, copies q/k/v and gate/up once, and holds the rotary tables
+    (max_positions long, from inv_freq: the same fp32 products as Decoder.rope, so each position's angles
+    are bit-identical). v_scale: values scaled by a constant (folded into the fused projection)."""
+
+    def __init__(self, layers, final_norm, eps: float, inv_freq, max_positions: int, dtype,
+                 v_scale: float | None = None):
+        super().__init__()
+        self.eps = eps
+        self.attn = nn.ModuleList(FusedAttention(layer.self_attn, v_scale) for layer in layers)
+        self.mlp = nn.ModuleList(FusedMLP(layer.mlp) for layer in layers)
+        self.norm_in = nn.ParameterList(layer.input_layernorm.weight for layer in layers)
+        self.norm_post = nn.ParameterList(layer.post_attention_layernorm.weight for layer in layers)
+        self.norm = final_norm
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos_table", freqs.cos().to(dtype), persistent=False)
+        self.register_buffer("sin_table", freqs.sin().to(dtype), persistent=False)
+
+    def forward(self, x, batch: PackedBatch, causal: bool = True, capture=()):
+        """x: the embedded packed tokens -> (final-normed hidden states, new keys and values per layer,
+        {k: the residual stream after k layers} for k in capture)."""
+        attn = self.attn[0]
+        mask = _attention_mask(batch, x.device, causal).repeat(1, 1, attn.n_heads // attn.n_kv, 1)  # rows as qg
+        tables = (self.cos_table, self.sin_table)
+        captured = {0: x} if 0 in capture else {}
+        h = rms_norm(x, self.norm_in[0], self.eps)
+        keys, values = [], []
+        n = len(self.attn)
+        for i in range(n):
+            a, k, v = self.attn[i](h, batch, i, tables, mask)
+            h, x = add_rms_norm(a, x, self.norm_post[i], self.eps)
+            out_w = self.norm_in[i + 1] if i + 1 < n else self.norm.weight
+            h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
+            keys.append(k)
+            values.append(v)
+            if i + 1 in capture:
+                captured[i + 1] = x
+        return h, keys, values, captured
+
+
 class FusedDecoder(nn.Module):
     """`forward_packed` of a `Decoder` (same inputs, same outputs) in the ORT flavour; shares the
-    decoder's embedding, norms, output projections and lm_head, copies q/k/v and gate/up once."""
+    decoder's embedding and lm_head (and, through FusedLayers, its norms and output projections)."""
 
     def __init__(self, decoder: Decoder, max_positions: int):
         super().__init__()
@@ -137,43 +178,18 @@ class FusedDecoder(nn.Module):
         self.config = cfg
         self.embed_tokens = decoder.model.embed_tokens
         self.lm_head = decoder.lm_head
-        self.eps = cfg.rms_norm_eps
-        self.attn = nn.ModuleList(FusedAttention(layer.self_attn) for layer in decoder.model.layers)
-        self.mlp = nn.ModuleList(FusedMLP(layer.mlp) for layer in decoder.model.layers)
-        self.norm_in = nn.ParameterList(layer.input_layernorm.weight for layer in decoder.model.layers)
-        self.norm_post = nn.ParameterList(layer.post_attention_layernorm.weight for layer in decoder.model.layers)
-        self.norm = decoder.model.norm
+        self.layers = FusedLayers(decoder.model.layers, decoder.model.norm, cfg.rms_norm_eps, decoder.inv_freq,
+                                  max_positions, decoder.lm_head.weight.dtype)
         self.check_aux_layers = decoder.check_aux_layers
-        dtype = decoder.lm_head.weight.dtype
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * decoder.inv_freq[None, :]
-        # The same fp32 products as Decoder.rope, so each position's angles are bit-identical.
-        self.register_buffer("cos_table", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin_table", freqs.sin().to(dtype), persistent=False)
 
     def forward_packed(self, batch: PackedBatch, aux_layers=()):
         """As Decoder.forward_packed, auxiliary hidden states included (the residual stream after k layers,
         which SkipSimplifiedLayerNormalization hands out as its sum output)."""
         aux_layers = self.check_aux_layers(aux_layers)
-        x = self.embed_tokens(batch.tokens)
-        captured = {0: x} if 0 in aux_layers else {}
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        mask = _attention_mask(batch, x.device).repeat(1, 1, groups, 1)  # rows (group, position), as qg
-        tables = (self.cos_table, self.sin_table)
-        h = rms_norm(x, self.norm_in[0], self.eps)
-        new_keys, new_values = [], []
-        n = len(self.attn)
-        for i in range(n):
-            a, k, v = self.attn[i](h, batch, i, tables, mask)
-            h, x = add_rms_norm(a, x, self.norm_post[i], self.eps)
-            out_w = self.norm_in[i + 1] if i + 1 < n else self.norm.weight
-            h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
-            new_keys.append(k)
-            new_values.append(v)
-            if i + 1 in aux_layers:
-                captured[i + 1] = x
+        h, keys, values, captured = self.layers(self.embed_tokens(batch.tokens), batch, capture=aux_layers)
         if aux_layers:
-            return h, new_keys, new_values, torch.cat([captured[k] for k in aux_layers], dim=-1)
-        return h, new_keys, new_values
+            return h, keys, values, torch.cat([captured[k] for k in aux_layers], dim=-1)
+        return h, keys, values
 
 
 def _attention_mask(batch: PackedBatch, device, causal: bool = True) -> torch.Tensor:
