@@ -113,10 +113,11 @@ def _logit(p):
 
 
 @pytest.mark.parametrize("name", ["dense", "topk", "topk_reduced_scaled", "non_finite"])
-def test_qmax_confidence_is_the_drafted_tokens_probability(name):
-    """qmax_confidence = 1: the confidence logit is logit(q_i(x_i)), recomputed here from the final draft
-    logits the loop builds (softmax over the top-k candidates; T <= 0 rows: q_max at T = 1); the tokens,
-    draft_probs and, with 0, the confidences are those of the head path."""
+def test_qmax_confidence_is_the_draft_distributions_max_probability(name):
+    """qmax_confidence = 1: the confidence logit is logit(q_max) of each position's final draft
+    distribution, recomputed here from the logits the loop builds (softmax over the top-k candidates; at
+    the request's temperature, T <= 0 rows at 1); for greedy drafts that is the drafted token's own
+    probability. Tokens and draft_probs are those of qmax_confidence = 0."""
     case = SAMPLE_CASES[name]
     plain = {k: v for k, v in case.items() if k not in ("temperature", "uniforms")}
     tokens, conf = ref.markov_draft(**plain, qmax_confidence=1)
@@ -124,20 +125,36 @@ def test_qmax_confidence_is_the_drafted_tokens_probability(name):
     np.testing.assert_array_equal(tokens, ref.markov_draft(**plain)[0])
     for got, exp in zip((s_tokens, s_probs), ref.markov_sample(**case)[::2]):
         np.testing.assert_array_equal(got, exp)
-    w1, w2, d2t = case["markov_w1"], case["markov_w2"], case["d2t"]
+    w1, w2 = case["markov_w1"], case["markov_w2"]
     mask = ref.topk_mask(case["base_logits"], case["draft_topk"])
-    t2d = {int(t): d for d, t in enumerate(np.arange(len(d2t)) + d2t)}
+    to_draft = {int(t): d for d, t in enumerate(np.arange(len(case["d2t"])) + case["d2t"])}
     for toks, c, temps in ((tokens, conf, np.zeros(len(tokens))), (s_tokens, s_conf, case["temperature"])):
         prev = case["anchor"]
         for i in range(case["steps"]):
             x = np.where(mask[:, i], case["base_logits"][:, i] + case["logit_scale"] * (w1[prev] @ w2.T), -np.inf)
             for r, t in enumerate(temps):
                 z = x[r].astype(np.float64) / (t if t > 0 else 1.0)
-                d = t2d[int(toks[r, i])]
-                p = 1.0 if not np.isfinite(z.max()) else np.exp(z[d] - z.max()) / np.exp(z - z.max()).sum()
-                assert abs(c[r, i] - _logit(p)) <= 1e-3 * max(1.0, abs(_logit(p))), (r, i)
+                q = np.exp(z - z.max()) / np.exp(z - z.max()).sum() if np.isfinite(z.max()) else np.ones(1)
+                if t <= 0 and np.isfinite(z.max()):
+                    assert q[to_draft[int(toks[r, i])]] == q.max()  # greedy: the drafted token's probability
+                assert abs(c[r, i] - _logit(q.max())) <= 1e-3 * max(1.0, abs(_logit(q.max()))), (r, i)
             prev = toks[:, i]
     assert np.unique(conf).size > 1 and np.unique(s_conf).size > 1
+    greedy = case["temperature"] <= 0  # a greedy row scores the same in a sampled batch
+    np.testing.assert_allclose(s_conf[greedy], conf[greedy], rtol=1e-6, atol=1e-6)
+
+
+def test_sampled_qmax_confidence_does_not_depend_on_the_token_it_scores():
+    """Lossless sampling: c_i is a function of the tokens before position i, never of the draw at i (the
+    runtime decides "verify t_i?" from c_i)."""
+    case = dict(SAMPLE_CASES["dense"], qmax_confidence=1)
+    tokens, conf, _ = ref.markov_sample(**case)
+    for i in range(case["steps"]):
+        u = case["uniforms"].copy()
+        u[:, i] = 1 - u[:, i]
+        other, other_conf, _ = ref.markov_sample(**dict(case, uniforms=u))
+        np.testing.assert_array_equal(other_conf[:, :i + 1], conf[:, :i + 1])
+        assert (other[:, i] != tokens[:, i]).any()  # the draw at i did change
 
 
 def test_attach_refuses_mixed_steps():

@@ -218,11 +218,8 @@ def markov_sample_kernel(base_ptr, cb_ptr, anchor_ptr, w1_ptr, w2_ptr, wc_ptr, d
         d = tl.minimum(count, last_nz)
         tok = d.to(tl.int64) + tl.load(d2t_ptr + d).to(tl.int64)
         tl.store(tokens_ptr + slot, tok)
-        if QMAX:  # softmax(x / safe_t)[d]: q(d) for sampled rows, MarkovDraft's q_max for T <= 0 rows
-            offs = d + tl.arange(0, BLOCK_V)
-            x = _bias_row(row_ptr, w2_ptr, e, offs, offs == d, K, kk, km, thr_val, thr_idx, SCALE)
-            xd = tl.max(tl.where(offs == d, x, float("-inf")), axis=0)
-            conf = _qmax_logit(tl.where(finite, tl.exp(xd / safe_t - shift) / denom, 1.0))
+        if QMAX:  # max softmax(x / safe_t) = 1 / denom: q_max at T, or MarkovDraft's for T <= 0 rows
+            conf = _qmax_logit(1.0 / tl.where(finite, denom, 1.0))
         else:
             conf = tl.load(cb_ptr + slot).to(tl.float32) + tl.sum(e * wc, axis=0)
         tl.store(conf_ptr + slot, conf)

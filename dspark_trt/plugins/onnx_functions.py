@@ -257,11 +257,12 @@ def _softmax(b: _Body, z: str, zero_f: str) -> tuple[str, str]:
     return b.op("Div", ex, b.op("ReduceSum", ex, b.const([1], "int64"), keepdims=1)), finite
 
 
-def _qmax_logit(b: _Body, soft: str, finite: str, d: str) -> str:
-    """qmax_confidence: logit(clip(p, 1e-6, 1 - 1e-6)), p = soft[r, d_r] (1 where the row max is not finite)."""
+def _qmax_logit(b: _Body, soft: str, finite: str) -> str:
+    """qmax_confidence: logit(clip(q_max, 1e-6, 1 - 1e-6)), q_max = max of the soft row (1 where the row
+    max is not finite)."""
     one_f = b.const(1.0)
-    pd = b.op("Squeeze", b.op("GatherElements", soft, _unsq(b, d, 1), axis=1), b.const([1], "int64"))
-    p = b.op("Where", b.op("Squeeze", finite, b.const([1], "int64")), pd, one_f)
+    qmax = b.op("ReduceMax", soft, b.const([1], "int64"), keepdims=0)
+    p = b.op("Where", b.op("Squeeze", finite, b.const([1], "int64")), qmax, one_f)
     p = b.op("Clip", p, b.const(QMAX_CLIP), b.const(1 - QMAX_CLIP))
     return b.op("Sub", b.op("Log", p), b.op("Log", b.op("Sub", one_f, p)))
 
@@ -327,7 +328,7 @@ def _markov_body(b: _Body, steps: int, sample: bool = False, qmax: bool = False)
         prev = b.op("Add", d, b.op("Gather", "d2t", d, axis=0))
         toks.append(_unsq(b, prev, 1))
         if qmax:  # sampled rows: soft is q at T; T <= 0 rows: safe_t = 1, so soft is MarkovDraft's softmax
-            c = _qmax_logit(b, soft, finite, d)
+            c = _qmax_logit(b, soft, finite)
         else:
             c = b.op("Add", b.op("Gather", cb, ii, axis=1),
                      b.op("ReduceSum", b.op("Mul", e, "conf_w"), b.const([1], "int64"), keepdims=0))

@@ -327,13 +327,13 @@ def topk_mask(x, k: int) -> np.ndarray:
     return mask
 
 
-def qmax_logit(x, d, temperature) -> np.ndarray:
-    """The qmax_confidence logit: logit(clip(p, 1e-6, 1 - 1e-6)) of p = softmax(x / T')[d] per row, T' = T
-    where T > 0 else 1 (one-hot of the argmax where the row maximum of x / T' is not finite)."""
+def qmax_logit(x, temperature) -> np.ndarray:
+    """The qmax_confidence logit: logit(clip(q_max, 1e-6, 1 - 1e-6)) per row, q_max = max softmax(x / T'),
+    T' = T where T > 0 else 1 (1 where the row maximum of x / T' is not finite)."""
     t = np.asarray(temperature, dtype=F32).reshape(-1)
     p, _ = target_probs(x, np.where(t > 0, t, F32(1)))
-    pd = np.clip(p[np.arange(len(d)), d], F32(QMAX_CLIP), F32(1 - QMAX_CLIP))
-    return (np.log(pd) - np.log(F32(1) - pd)).astype(F32)
+    q = np.clip(p.max(axis=-1), F32(QMAX_CLIP), F32(1 - QMAX_CLIP))
+    return (np.log(q) - np.log(F32(1) - q)).astype(F32)
 
 
 def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, *, steps: int,
@@ -358,7 +358,7 @@ def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d
         d = argmax_lowest(x)
         prev = d + d2t[d]
         tokens[:, i] = prev
-        conf[:, i] = qmax_logit(x, d, np.ones(r, F32)) if qmax_confidence else cb[:, i] + e @ wc
+        conf[:, i] = qmax_logit(x, np.ones(r, F32)) if qmax_confidence else cb[:, i] + e @ wc
     return tokens, conf
 
 
@@ -386,7 +386,7 @@ def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, 
         d = inverse_cdf(q, u[:, i])
         prev = to_target[d]
         tokens[:, i] = prev
-        conf[:, i] = qmax_logit(x, d, temp) if qmax_confidence else cb[:, i] + e @ wc
+        conf[:, i] = qmax_logit(x, temp) if qmax_confidence else cb[:, i] + e @ wc
         probs[:, i, to_target] = q
     return tokens, conf, probs
 
