@@ -78,7 +78,8 @@ def test_exported_graphs_match_the_torch_module(exported, variant):
     np.testing.assert_allclose(g_surv, np.cumprod(conf.numpy(), axis=1), rtol=1e-4, atol=1e-6)
     if drafter.confidence_head is None:  # head-less: logit(q_max) of each position's final draft logits
         with torch.no_grad():
-            tokens = torch.cat([anchor[:, None], torch.full((3, drafter.cfg.query_len - 1), drafter.cfg.mask_token_id)], 1)
+            masks = torch.full((3, drafter.cfg.query_len - 1), drafter.cfg.mask_token_id)
+            tokens = torch.cat([anchor[:, None], masks], 1)
             rows = drafter.sample_rows(drafter.block(tokens, keys, values, torch.tensor(slots), past_lens))
             *_, logits = drafter.markov(drafter.base_logits(rows), drafter.confidence_base(rows), anchor,
                                         return_logits=True)

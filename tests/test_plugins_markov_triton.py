@@ -87,8 +87,8 @@ print("RESULT" + json.dumps(dict(qmax=[(c.name, len(kernels.ptx_entry_params(c.p
 
 
 def test_kernel_compiles_to_ptx_for_the_tensorrt_aot_plugin():
-    """Native Triton (no GPU needed) compiles the kernel with the logit scale, top-k and qmax_confidence baked in; the PTX
-    entry takes exactly the 7 inputs, the int32 R, N, V, K and the 2 outputs."""
+    """Native Triton (no GPU needed) compiles the kernel with the logit scale, top-k and qmax_confidence baked in;
+    the PTX entry takes exactly the 7 inputs, the int32 R, N, V, K and the 2 outputs."""
     import json
     import subprocess
 

@@ -134,8 +134,8 @@ def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d
     markov_draft_kernel[cfg.grid](
         base_logits.contiguous(), conf_base.contiguous(), anchor.contiguous(), markov_w1.contiguous(),
         markov_w2.contiguous(), conf_w.contiguous(), d2t.contiguous(), r, n, v, k, tokens, conf,
-        SCALE=float(logit_scale), TOPK=int(draft_topk), QMAX=int(qmax_confidence), num_warps=cfg.num_warps, enable_fp_fusion=FP_FUSION,
-        **cfg.constexprs)
+        SCALE=float(logit_scale), TOPK=int(draft_topk), QMAX=int(qmax_confidence), num_warps=cfg.num_warps,
+        enable_fp_fusion=FP_FUSION, **cfg.constexprs)
     return tokens, conf
 
 
@@ -258,6 +258,6 @@ def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, 
         base_logits.contiguous(), conf_base.contiguous(), anchor.contiguous(), markov_w1.contiguous(),
         markov_w2.contiguous(), conf_w.contiguous(), d2t.contiguous(), temperature.contiguous(),
         uniforms.contiguous(), r, n, v, k, t_vocab, tokens, conf, probs,
-        SCALE=float(logit_scale), TOPK=int(draft_topk), QMAX=int(qmax_confidence), num_warps=cfg.num_warps, enable_fp_fusion=FP_FUSION,
-        **cfg.constexprs)
+        SCALE=float(logit_scale), TOPK=int(draft_topk), QMAX=int(qmax_confidence), num_warps=cfg.num_warps,
+        enable_fp_fusion=FP_FUSION, **cfg.constexprs)
     return tokens, conf, probs
