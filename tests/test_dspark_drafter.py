@@ -78,8 +78,10 @@ def test_draft_step_matches_the_vllm_reference(variant, arch, tmp_path):
         finite = torch.isfinite(ref_logits)
         assert torch.equal(finite, torch.isfinite(logits[r]))
         assert (logits[r][finite] - ref_logits[finite]).abs().max() <= 1e-4
-        if ref_conf is None:
+        if ref_conf is None:  # head-less: logit(q_max) of the reference's final logits
             assert drafter.confidence_head is None
+            q = torch.softmax(ref_logits.double(), -1).amax(-1).clamp(1e-6, 1 - 1e-6)
+            assert (conf_logits[r] - torch.logit(q)).abs().max() <= 1e-3
         else:
             assert (torch.sigmoid(conf_logits[r]) - ref_conf).abs().max() <= 1e-4
 

@@ -35,7 +35,7 @@ def exported(tmp_path_factory):
     out = {}
     for i, (name, kw) in enumerate(VARIANTS.items()):
         drafter = load_dspark_drafter(make_draft(root, name=f"d{i}", seed=10 + i, **kw), target_dir)
-        out[name] = (drafter, export_dspark(drafter, root / f"art{i}", num_slots=SLOTS, sample=i == 1))
+        out[name] = (drafter, export_dspark(drafter, root / f"art{i}", num_slots=SLOTS, sample=i >= 1))
     return load_decoder(target_dir), out
 
 
@@ -76,8 +76,16 @@ def test_exported_graphs_match_the_torch_module(exported, variant):
     g_conf = 1 / (1 + np.exp(-g_conf_logits))
     assert np.abs(g_conf - conf.numpy()).max() <= 1e-4
     np.testing.assert_allclose(g_surv, np.cumprod(conf.numpy(), axis=1), rtol=1e-4, atol=1e-6)
-    if drafter.confidence_head is None:
-        assert (g_conf_logits == 0).all()  # head-less: 0.5 placeholders, the runtime's estimator takes over
+    if drafter.confidence_head is None:  # head-less: logit(q_max) of each position's final draft logits
+        with torch.no_grad():
+            masks = torch.full((3, drafter.cfg.query_len - 1), drafter.cfg.mask_token_id)
+            tokens = torch.cat([anchor[:, None], masks], 1)
+            rows = drafter.sample_rows(drafter.block(tokens, keys, values, torch.tensor(slots), past_lens))
+            *_, logits = drafter.markov(drafter.base_logits(rows), drafter.confidence_base(rows), anchor,
+                                        return_logits=True)
+        q = torch.softmax(logits.double(), -1).amax(-1).clamp(1e-6, 1 - 1e-6)
+        assert np.abs(g_conf_logits - torch.logit(q).numpy()).max() <= 1e-3
+        assert np.unique(g_surv[:, -1]).size == len(prompts)  # a per-request signal, not 0.5 ** k
 
 
 def test_draft_graph_uses_the_dspark_ops_and_no_vocab_sized_outputs(exported):
@@ -132,11 +140,12 @@ def test_target_graph_with_aux_outputs_matches_the_decoder(exported, tmp_path):
     assert out[-1].shape == (8, 48 * len(drafter.cfg.aux_layers))
 
 
-def test_sampling_flavour_matches_the_reference_on_the_module_rows(exported):
+@pytest.mark.parametrize("variant", ["reduced vocab + top-k, logit scale", "head-less, causal, 1+N"])
+def test_sampling_flavour_matches_the_reference_on_the_module_rows(exported, variant):
     from dspark_trt.plugins import reference as ref
 
     target, graphs = exported
-    drafter, paths = graphs["reduced vocab + top-k, logit scale"]
+    drafter, paths = graphs[variant]
     layers, n = drafter.cfg.layers.num_hidden_layers, drafter.cfg.num_draft
     prompts = [[3, 17, 42, 8, 99, 23, 11], [64, 2, 7, 7, 30]]
     slots = [1, 3]
@@ -157,16 +166,20 @@ def test_sampling_flavour_matches_the_reference_on_the_module_rows(exported):
         feeds[name] = t[:p].numpy()
     toks, conf, surv, probs = session(paths["sample"]).run(None, feeds)
     with torch.no_grad():
-        tokens = torch.cat([anchor[:, None], torch.full((2, n - 1), drafter.cfg.mask_token_id)], 1)
+        tokens = torch.cat([anchor[:, None], torch.full((2, drafter.cfg.query_len - 1), drafter.cfg.mask_token_id)], 1)
         rows = drafter.sample_rows(drafter.block(tokens, keys, values, torch.tensor(slots), past_lens))
         greedy_toks, greedy_conf = drafter.draft(anchor, keys, values, torch.tensor(slots), past_lens)
         exp = ref.markov_sample(drafter.base_logits(rows).numpy(), drafter.confidence_base(rows).numpy(), anchor.numpy(),
                                 drafter.markov_head.markov_w1.weight.numpy(), drafter.markov_head.markov_w2.weight.numpy(),
                                 drafter.confidence_markov_weight().numpy(), drafter.d2t.numpy(), temperature, uniforms,
-                                steps=n, logit_scale=drafter.cfg.logit_scale, draft_topk=drafter.cfg.draft_topk)
+                                steps=n, logit_scale=drafter.cfg.logit_scale, draft_topk=drafter.cfg.draft_topk or 0,
+                                qmax_confidence=int(drafter.qmax_confidence))
     np.testing.assert_array_equal(toks, exp[0])
     np.testing.assert_array_equal(toks[0], greedy_toks[0].numpy())  # T = 0: the greedy drafts
     assert np.abs(conf - exp[1]).max() <= 1e-4  # the Markov embeddings follow the sampled tokens
     assert np.abs(1 / (1 + np.exp(-conf[0])) - greedy_conf[0].numpy()).max() <= 1e-4
     assert probs.shape == (2, n, target.config.vocab_size)
     assert np.abs(probs - exp[2]).max() <= 1e-4 and (probs[0].max(-1) == 1).all()
+    if drafter.confidence_head is None:  # the sampled row's confidence: the max of its q, not q of its draw
+        q = np.clip(probs[1].max(-1).astype(np.float64), 1e-6, 1 - 1e-6)
+        assert np.abs(conf[1] - np.log(q / (1 - q))).max() <= 1e-3

@@ -244,3 +244,54 @@ def test_held_back_context_rows_are_bounded_in_memory_largest_queues_first(artif
         rt.close()
     assert [o.token_ids for o in bounded] == [o.token_ids for o in free]
     assert graphs.calls["dspark_context"] > 0 and max(seen) <= 40 * row
+
+
+def test_a_headless_artifact_drafts_with_the_drafted_tokens_probability(tmp_path_factory):
+    """Without a confidence head the draft graph's confidence logits are logit(q_max) of each position's
+    final draft logits (recomputed here from the plain-torch vLLM reference's logits), so survivals differ
+    per request; the manifest says "fallback", which makes the runtime's correction fit a slope; greedy
+    output with speculation is off's. (The head-less variant's export, shared with the `-m slow` tests.)"""
+    import json
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import load_file
+
+    from dspark_trt.models.checkpoint import load_decoder
+    from dspark_trt.runtime.dspark_drafting import DsparkDrafting
+    from tests.dspark_reference import reference_step
+
+    art = cached_artifact(tmp_path_factory, "reduced-headless", **VARIANTS["reduced-headless"])
+    m = load_manifest(art)
+    assert m.draft["confidence"] == "fallback"
+    src = {k: Path(v) for k, v in m["sources"].items() if v}
+    cfg = json.loads((src["draft"] / "config.json").read_text())
+    w = load_file(str(src["draft"] / "model.safetensors"))
+    t_state = load_file(str(src["target"] / "model.safetensors"))
+    t_embed = t_state["model.embed_tokens.weight"]
+    target = load_decoder(src["target"])
+    drafting = DsparkDrafting.from_artifact(art)
+    last = []
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            _, aux = target.forward_dense(torch.tensor([prompt]), aux_layers=m.draft["dspark"]["aux_layers"])
+            toks, logits, conf = reference_step(cfg, w, aux[0, :-1], prompt[-1], t_embed,
+                                                t_state.get("lm_head.weight", t_embed))
+        drafting.release(0)
+        drafting.observe(0, aux[0, :-1].numpy(), 0)
+        d = drafting.draft([0], [prompt[-1]])
+        assert conf is None and d.tokens[0].tolist() == toks
+        q = torch.softmax(logits.double(), -1).amax(-1).clamp(1e-6, 1 - 1e-6)
+        assert np.abs(d.confidence_logits[0] - torch.logit(q).numpy()).max() <= 1e-3
+        last.append(float(d.survival[0, -1]))
+    assert len(set(last)) == len(PROMPTS)  # a per-request signal, not 0.5 ** k
+
+    rt = speculating_runtime(art)
+    try:
+        assert rt.survival_correction is not None and rt.survival_correction.fit_slope
+        res = {spec: rt.generate(PROMPTS, GenerationConfig(max_new_tokens=16, spec=spec, stop_at_eos=False))
+               for spec in ("off", "adaptive", f"fixed:{rt.max_draft}")}
+    finally:
+        rt.close()
+    assert sum(sum(r.stats["accepted_counts"]) for r in res["adaptive"]) > 0  # it speculated
+    assert all([r.token_ids for r in out] == [r.token_ids for r in res["off"]] for out in res.values())

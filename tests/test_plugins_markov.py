@@ -1,5 +1,5 @@
 """MarkovDraft (the DSpark sequential stage): numpy reference == ONNX function body on ORT, and the
-reference agrees with the torch draft module's own loop."""
+reference agrees with the torch draft module's own loop; with qmax_confidence too."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from dspark_trt.plugins.onnx_functions import attach_functions  # noqa: E402
 from dspark_trt.plugins.spec import OPS, make_node  # noqa: E402
 
 CASES = ref.markov_cases(seed=0)
-ATTRS = ("steps", "logit_scale", "draft_topk")
+ATTRS = ("steps", "logit_scale", "draft_topk", "qmax_confidence")
 
 
 def markov_model(steps: int, float_type=TensorProto.FLOAT, op_name="MarkovDraft", **attrs):
@@ -37,7 +37,7 @@ def markov_model(steps: int, float_type=TensorProto.FLOAT, op_name="MarkovDraft"
 
 def run_onnx(case: dict, float_type=TensorProto.FLOAT, op_name="MarkovDraft"):
     model = markov_model(case["steps"], float_type, op_name, logit_scale=case["logit_scale"],
-                         draft_topk=case["draft_topk"])
+                         draft_topk=case["draft_topk"], qmax_confidence=case.get("qmax_confidence", 0))
     onnx.checker.check_model(model, full_check=True)
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     feeds = {k: np.asarray(v) for k, v in case.items() if k not in ATTRS}
@@ -47,9 +47,10 @@ def run_onnx(case: dict, float_type=TensorProto.FLOAT, op_name="MarkovDraft"):
     return sess.run(None, feeds)
 
 
+@pytest.mark.parametrize("qmax", [0, 1])
 @pytest.mark.parametrize("name", list(CASES))
-def test_onnx_body_on_ort_equals_the_reference(name):
-    case = CASES[name]
+def test_onnx_body_on_ort_equals_the_reference(name, qmax):
+    case = dict(CASES[name], qmax_confidence=qmax)
     tokens, conf = run_onnx(case)
     exp_tokens, exp_conf = ref.markov_draft(**case)
     assert tokens.dtype == np.int64 and tokens.shape == exp_tokens.shape
@@ -86,8 +87,12 @@ def test_reference_matches_the_torch_module_loop(tmp_path):
     from tests.dspark_fixtures import make_draft, make_target
 
     target_dir = make_target(tmp_path)
-    for name, kw in {"dense": {}, "topk-d2t": dict(topk=6, draft_vocab=60, logit_scale=0.8)}.items():
+    variants = {"dense": {}, "topk-d2t": dict(topk=6, draft_vocab=60, logit_scale=0.8),
+                "head-less": dict(head=False, head_tensors=False),
+                "head-less topk-d2t": dict(head=False, head_tensors=False, topk=6, draft_vocab=60, logit_scale=0.8)}
+    for name, kw in variants.items():
         drafter = load_dspark_drafter(make_draft(tmp_path, name=name, seed=2, **kw), target_dir)
+        assert drafter.qmax_confidence == name.startswith("head-less")
         rng = np.random.default_rng(1)
         base = torch.from_numpy((rng.standard_normal((3, 4, drafter.cfg.draft_vocab_size)) * 2).astype(np.float32))
         cb = torch.from_numpy(rng.standard_normal((3, 4)).astype(np.float32))
@@ -96,9 +101,60 @@ def test_reference_matches_the_torch_module_loop(tmp_path):
         exp_toks, exp_conf = ref.markov_draft(
             base.numpy(), cb.numpy(), anchor.numpy(), drafter.markov_head.markov_w1.weight.detach().numpy(),
             drafter.markov_head.markov_w2.weight.detach().numpy(), drafter.confidence_markov_weight().detach().numpy(),
-            drafter.d2t.numpy(), steps=4, logit_scale=drafter.cfg.logit_scale, draft_topk=drafter.cfg.draft_topk or 0)
+            drafter.d2t.numpy(), steps=4, logit_scale=drafter.cfg.logit_scale, draft_topk=drafter.cfg.draft_topk or 0,
+            qmax_confidence=int(drafter.qmax_confidence))
         np.testing.assert_array_equal(toks.numpy(), exp_toks)
         np.testing.assert_allclose(conf.detach().numpy(), exp_conf, rtol=1e-5, atol=1e-5)
+
+
+def _logit(p):
+    p = np.clip(p, 1e-6, 1 - 1e-6)
+    return np.log(p) - np.log1p(-p)
+
+
+@pytest.mark.parametrize("name", ["dense", "topk", "topk_reduced_scaled", "non_finite"])
+def test_qmax_confidence_is_the_draft_distributions_max_probability(name):
+    """qmax_confidence = 1: the confidence logit is logit(q_max) of each position's final draft
+    distribution, recomputed here from the logits the loop builds (softmax over the top-k candidates; at
+    the request's temperature, T <= 0 rows at 1); for greedy drafts that is the drafted token's own
+    probability. Tokens and draft_probs are those of qmax_confidence = 0."""
+    case = SAMPLE_CASES[name]
+    plain = {k: v for k, v in case.items() if k not in ("temperature", "uniforms")}
+    tokens, conf = ref.markov_draft(**plain, qmax_confidence=1)
+    s_tokens, s_conf, s_probs = ref.markov_sample(**case, qmax_confidence=1)
+    np.testing.assert_array_equal(tokens, ref.markov_draft(**plain)[0])
+    for got, exp in zip((s_tokens, s_probs), ref.markov_sample(**case)[::2]):
+        np.testing.assert_array_equal(got, exp)
+    w1, w2 = case["markov_w1"], case["markov_w2"]
+    mask = ref.topk_mask(case["base_logits"], case["draft_topk"])
+    to_draft = {int(t): d for d, t in enumerate(np.arange(len(case["d2t"])) + case["d2t"])}
+    for toks, c, temps in ((tokens, conf, np.zeros(len(tokens))), (s_tokens, s_conf, case["temperature"])):
+        prev = case["anchor"]
+        for i in range(case["steps"]):
+            x = np.where(mask[:, i], case["base_logits"][:, i] + case["logit_scale"] * (w1[prev] @ w2.T), -np.inf)
+            for r, t in enumerate(temps):
+                z = x[r].astype(np.float64) / (t if t > 0 else 1.0)
+                q = np.exp(z - z.max()) / np.exp(z - z.max()).sum() if np.isfinite(z.max()) else np.ones(1)
+                if t <= 0 and np.isfinite(z.max()):
+                    assert q[to_draft[int(toks[r, i])]] == q.max()  # greedy: the drafted token's probability
+                assert abs(c[r, i] - _logit(q.max())) <= 1e-3 * max(1.0, abs(_logit(q.max()))), (r, i)
+            prev = toks[:, i]
+    assert np.unique(conf).size > 1 and np.unique(s_conf).size > 1
+    greedy = case["temperature"] <= 0  # a greedy row scores the same in a sampled batch
+    np.testing.assert_allclose(s_conf[greedy], conf[greedy], rtol=1e-6, atol=1e-6)
+
+
+def test_sampled_qmax_confidence_does_not_depend_on_the_token_it_scores():
+    """Lossless sampling: c_i is a function of the tokens before position i, never of the draw at i (the
+    runtime decides "verify t_i?" from c_i)."""
+    case = dict(SAMPLE_CASES["dense"], qmax_confidence=1)
+    tokens, conf, _ = ref.markov_sample(**case)
+    for i in range(case["steps"]):
+        u = case["uniforms"].copy()
+        u[:, i] = 1 - u[:, i]
+        other, other_conf, _ = ref.markov_sample(**dict(case, uniforms=u))
+        np.testing.assert_array_equal(other_conf[:, :i + 1], conf[:, :i + 1])
+        assert (other[:, i] != tokens[:, i]).any()  # the draw at i did change
 
 
 def test_attach_refuses_mixed_steps():
@@ -109,14 +165,22 @@ def test_attach_refuses_mixed_steps():
         attach_functions(model)
     with pytest.raises(ValueError, match="steps must be an integer >= 1"):
         make_node("MarkovDraft", op.input_names, op.output_names, steps=0)
+    with pytest.raises(ValueError, match="qmax_confidence must be 0 or 1"):
+        make_node("MarkovDraft", op.input_names, op.output_names, steps=3, qmax_confidence=2)
+    model = markov_model(3)
+    model.graph.node.append(make_node("MarkovDraft", op.input_names, ["t2", "c2"], name="second", steps=3,
+                                      qmax_confidence=1))
+    with pytest.raises(DsparkError, match="same qmax_confidence"):
+        attach_functions(model)
 
 
 SAMPLE_CASES = ref.markov_sample_cases(seed=0)
 
 
+@pytest.mark.parametrize("qmax", [0, 1])
 @pytest.mark.parametrize("name", list(SAMPLE_CASES))
-def test_sampling_body_on_ort_equals_the_reference(name):
-    case = SAMPLE_CASES[name]
+def test_sampling_body_on_ort_equals_the_reference(name, qmax):
+    case = dict(SAMPLE_CASES[name], qmax_confidence=qmax)
     tokens, conf, probs = run_onnx(case, op_name="MarkovSample")
     exp_tokens, exp_conf, exp_probs = ref.markov_sample(**case)
     np.testing.assert_array_equal(tokens, exp_tokens)

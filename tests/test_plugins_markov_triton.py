@@ -24,20 +24,22 @@ from dspark_trt.plugins import launch  # noqa: E402
 from dspark_trt.plugins import markov_kernels  # noqa: E402
 from dspark_trt.plugins import reference as ref  # noqa: E402
 
-ATTRS = ("steps", "logit_scale", "draft_topk")
+ATTRS = ("steps", "logit_scale", "draft_topk", "qmax_confidence")
 
 
 def run_kernel(case, dtype=torch.float32):
     t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(DEVICE) for k, v in case.items() if k not in ATTRS}
     t["base_logits"], t["conf_base"] = t["base_logits"].to(dtype), t["conf_base"].to(dtype)
     toks, conf = markov_kernels.markov_draft(*t.values(), steps=case["steps"], logit_scale=case["logit_scale"],
-                                             draft_topk=case["draft_topk"])
+                                             draft_topk=case["draft_topk"],
+                                             qmax_confidence=case.get("qmax_confidence", 0))
     return toks.cpu().numpy(), conf.cpu().numpy()
 
 
+@pytest.mark.parametrize("qmax", [0, 1])
 @pytest.mark.parametrize("name", list(ref.markov_cases()))
-def test_kernel_equals_the_reference(name):
-    case = ref.markov_cases(seed=0)[name]
+def test_kernel_equals_the_reference(name, qmax):
+    case = dict(ref.markov_cases(seed=0)[name], qmax_confidence=qmax)
     toks, conf = run_kernel(case)
     exp_toks, exp_conf = ref.markov_draft(**case)
     np.testing.assert_array_equal(toks, exp_toks)
@@ -74,15 +76,19 @@ from dspark_trt.plugins import kernels
 ck = kernels.compile_ptx("MarkovDraft", target=("cuda", 80, 32), vocab=151936, rank=64, logit_scale=0.5,
                          draft_topk=8, input_dtypes={"base_logits": "bfloat16"})
 cs = kernels.compile_ptx("MarkovSample", target=("cuda", 80, 32), vocab=32000, rank=16, draft_topk=0)
-print("RESULT" + json.dumps(dict(name=ck.name, params=len(kernels.ptx_entry_params(ck.ptx, ck.name)),
+qmax = [kernels.compile_ptx(op, target=("cuda", 80, 32), vocab=32000, rank=16, draft_topk=4, qmax_confidence=1)
+        for op in ("MarkovDraft", "MarkovSample")]
+print("RESULT" + json.dumps(dict(qmax=[(c.name, len(kernels.ptx_entry_params(c.ptx, c.name)), "0f358637BD" in c.ptx)
+                                       for c in qmax],
+                                 name=ck.name, params=len(kernels.ptx_entry_params(ck.ptx, ck.name)),
                                  scalars=list(ck.scalars), warps=ck.num_warps, target=".target sm_80" in ck.ptx,
                                  sample=[cs.name, len(kernels.ptx_entry_params(cs.ptx, cs.name)), list(cs.scalars)])))
 """
 
 
 def test_kernel_compiles_to_ptx_for_the_tensorrt_aot_plugin():
-    """Native Triton (no GPU needed) compiles the kernel with the logit scale and top-k baked in; the PTX
-    entry takes exactly the 7 inputs, the int32 R, N, V, K and the 2 outputs."""
+    """Native Triton (no GPU needed) compiles the kernel with the logit scale, top-k and qmax_confidence baked in;
+    the PTX entry takes exactly the 7 inputs, the int32 R, N, V, K and the 2 outputs."""
     import json
     import subprocess
 
@@ -95,18 +101,21 @@ def test_kernel_compiles_to_ptx_for_the_tensorrt_aot_plugin():
     assert r["name"] == "markov_draft_kernel" and r["scalars"] == ["R", "N", "V", "K"]
     assert r["params"] == 7 + 4 + 2 and r["target"]
     assert r["sample"] == ["markov_sample_kernel", 9 + 5 + 3, ["R", "N", "V", "K", "T"]]
+    # qmax_confidence is a constexpr like the top-k: same entry, and the kernel now clips at 1e-6 (0f358637BD)
+    assert r["qmax"] == [["markov_draft_kernel", 7 + 4 + 2, True], ["markov_sample_kernel", 9 + 5 + 3, True]]
 
 
 def run_sample_kernel(case):
     t = {k: torch.from_numpy(np.ascontiguousarray(v)).to(DEVICE) for k, v in case.items() if k not in ATTRS}
     out = markov_kernels.markov_sample(*t.values(), steps=case["steps"], logit_scale=case["logit_scale"],
-                                       draft_topk=case["draft_topk"])
+                                       draft_topk=case["draft_topk"], qmax_confidence=case.get("qmax_confidence", 0))
     return [o.cpu().numpy() for o in out]
 
 
+@pytest.mark.parametrize("qmax", [0, 1])
 @pytest.mark.parametrize("name", list(ref.markov_sample_cases()))
-def test_sampling_kernel_equals_the_reference(name):
-    case = ref.markov_sample_cases(seed=0)[name]
+def test_sampling_kernel_equals_the_reference(name, qmax):
+    case = dict(ref.markov_sample_cases(seed=0)[name], qmax_confidence=qmax)
     toks, conf, probs = run_sample_kernel(case)
     exp_toks, exp_conf, exp_probs = ref.markov_sample(**case)
     np.testing.assert_array_equal(toks, exp_toks)

@@ -30,7 +30,8 @@ def test_ops_are_the_five_with_exact_signatures():
     assert m.input_names == ["base_logits", "conf_base", "anchor", "markov_w1", "markov_w2", "conf_w", "d2t"]
     assert m.output_names == ["draft_tokens", "confidence_logits"]
     assert [(x.name, x.type, x.required, x.default) for x in m.attributes] == [
-        ("steps", "INT", True, None), ("logit_scale", "FLOAT", False, 1.0), ("draft_topk", "INT", False, 0)]
+        ("steps", "INT", True, None), ("logit_scale", "FLOAT", False, 1.0), ("draft_topk", "INT", False, 0),
+        ("qmax_confidence", "INT", False, 0)]
     ms = spec.OPS["MarkovSample"]
     assert ms.input_names == m.input_names + ["temperature", "uniforms"] and ms.attributes == m.attributes
     assert ms.output_names == ["draft_tokens", "confidence_logits", "draft_probs"]
@@ -199,13 +200,23 @@ def test_markov_plugins_register_with_the_shapes_of_the_spec(plugins):
     markov_in = [Desc((4, 7, 500), trt.float16), Desc((4, 7), trt.float32), Desc((4,), trt.int64),
                  Desc((600, 32), trt.float32), Desc((500, 32), trt.float32), Desc((32,), trt.float32),
                  Desc((500,), trt.int64)]
-    toks, conf = reg["dspark::MarkovDraft"].register_func(*markov_in, 7, 1.0, 0)
+    toks, conf = reg["dspark::MarkovDraft"].register_func(*markov_in, 7, 1.0, 0, 1)
     assert [e.constant_value() for e in toks.shape_expr] == [4, 7] == [e.constant_value() for e in conf.shape_expr]
     assert (toks.dtype, conf.dtype) == (trt.int64, trt.float32)
     *_, probs = reg["dspark::MarkovSample"].register_func(*markov_in, Desc((4,), trt.float32),
-                                                          Desc((4, 7), trt.float32), 7, 1.0, 0)
+                                                          Desc((4, 7), trt.float32), 7, 1.0, 0, 1)
     assert [e.constant_value() for e in probs.shape_expr] == [4, 7, 600]  # in the target vocabulary
     assert probs.dtype == trt.float32
+    # every function takes the spec's attributes by name, in order (TensorRT maps node attributes by name)
+    import inspect
+
+    for op in ("MarkovDraft", "MarkovSample"):
+        d = reg[f"dspark::{op}"]
+        attrs = [a.name for a in spec.OPS[op].attributes]
+        for fn in (d.register_func, d.impl_func, d.aot_impl_func):
+            params = list(inspect.signature(fn).parameters)
+            n_in = len(spec.OPS[op].inputs)
+            assert params[n_in:n_in + len(attrs)] == attrs, (op, fn.__name__)
 
 
 def test_jit_only_registration_builds_jit_for_any_request(plugins):

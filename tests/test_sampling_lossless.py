@@ -83,15 +83,18 @@ def test_speculative_sampling_matches_target_distribution(far_pair, spec):
     assert_second_token_follows_the_target(rt, target, rt.tokenizer.encode("def fib(n):"), spec)
 
 
-@pytest.mark.parametrize("spec", ["adaptive", pytest.param("fixed:3", marks=pytest.mark.slow)])
-def test_dspark_drafter_sampling_matches_target_distribution(tmp_path_factory, spec):
+@pytest.mark.parametrize("variant, spec", [("full", "adaptive"),
+                                           pytest.param("full", "fixed:3", marks=pytest.mark.slow),
+                                           pytest.param("reduced-headless", "adaptive", marks=pytest.mark.slow)])
+def test_dspark_drafter_sampling_matches_target_distribution(tmp_path_factory, variant, spec):
     """The same check with a DSpark drafter on ORT: drafts and q from the sampling graph (MarkovSample,
-    q in the target vocabulary), fed to SampleAccept like the classic drafter's."""
+    q in the target vocabulary), fed to SampleAccept like the classic drafter's; head-less, adaptive
+    sizes verification on the q_max confidences."""
     pytest.importorskip("onnxruntime")
     from dspark_trt.manifest import load_manifest
     from tests.dspark_fixtures import ARTIFACT_VARIANTS, cached_artifact
 
-    art = cached_artifact(tmp_path_factory, "full", **ARTIFACT_VARIANTS["full"])
+    art = cached_artifact(tmp_path_factory, variant, **ARTIFACT_VARIANTS[variant])
     rt = Runtime.load(art, profile="none")
     speculate_cheaply(rt)
     assert_second_token_follows_the_target(rt, load_manifest(art)["sources"]["target"], [3, 17, 42, 8, 99], spec)

@@ -6,7 +6,8 @@
   positions (and rolls back nothing: rejected positions are simply overwritten next step).
 * ``dspark_draft.onnx``: anchor [R], past_lens [R] (context entries per request = the anchor's
   position), slot_ids [R], the context cache ``past_key_values.{i}.key/value`` [P, S, KVH, D] ->
-  ``draft_tokens`` [R, N] (target ids), ``confidence_logits`` [R, N] and ``survival`` [R, N]. One
+  ``draft_tokens`` [R, N] (target ids), ``confidence_logits`` [R, N] (the confidence head's, or
+  logit(q_max) for a drafter without one: the ops' qmax_confidence) and ``survival`` [R, N]. One
   parallel block pass, then the dspark ops MarkovDraft (the sequential stage) and Survival (calibrated
   running product of the confidences). Greedy drafting: no [R, N, V] tensor leaves the graph.
 * ``dspark_draft_sample.onnx`` (optional): the same with MarkovSample for batches with sampled requests:
@@ -55,13 +56,14 @@ def with_dtype(module: nn.Module, dtype: torch.dtype, inv_freq: torch.Tensor) ->
     return module
 
 
-def markov_op(inputs: list, steps: int, logit_scale: float, draft_topk: int):
+def markov_op(inputs: list, steps: int, logit_scale: float, draft_topk: int, qmax_confidence: bool = False):
     """MarkovDraft (7 inputs) or MarkovSample (9: + temperature, uniforms): one custom ONNX node under
     export, the numpy reference in eager mode."""
     r = inputs[0].shape[0]
     sample = len(inputs) == 9
     name = "MarkovSample" if sample else "MarkovDraft"
-    attrs = {"steps": int(steps), "logit_scale": float(logit_scale), "draft_topk": int(draft_topk)}
+    attrs = {"steps": int(steps), "logit_scale": float(logit_scale), "draft_topk": int(draft_topk),
+             "qmax_confidence": int(qmax_confidence)}
     dtypes = [torch.int64, torch.float32] + ([torch.float32] if sample else [])
     shapes = [[r, steps], [r, steps]] + ([[r, steps, inputs[3].shape[0]]] if sample else [])
     if torch.onnx.is_in_onnx_export():
@@ -109,7 +111,7 @@ class DsparkDraftGraph(nn.Module):
         w2 = d.markov_head.markov_w2.weight.float()
         toks, conf, *probs = markov_op([d.base_logits(rows), d.confidence_base(rows), anchor, w1, w2,
                                         d.confidence_markov_weight(), d.d2t, *sampling], cfg.num_draft,
-                                       cfg.logit_scale, cfg.draft_topk or 0)
+                                       cfg.logit_scale, cfg.draft_topk or 0, d.qmax_confidence)
         ones = torch.ones_like(past_lens, dtype=torch.float32)
         (surv,) = call_op("Survival", [conf, ones, torch.zeros_like(past_lens)],
                           {"temperatures": self.temperatures}, [torch.float32], [[r, cfg.num_draft]])

@@ -11,7 +11,8 @@ One step for R requests (see `dspark_config` for the format):
 3. `markov(...)`: sequential over the N sampled rows: e_i = markov_w1[prev], logits_i =
    scale * (lm_head(h_i) + markov_w2 @ e_i) (with `dspark_draft_topk`: only the top-k base logits are
    corrected, every other logit is -inf), greedy token = argmax mapped to the target vocabulary
-   (draft id + d2t[id]), prev = that token; confidence logit_i = proj([h_i ; e_i]).
+   (draft id + d2t[id]), prev = that token; confidence logit_i = proj([h_i ; e_i]), or without a
+   confidence head logit(q_max) of the final draft logits (the ops' qmax_confidence).
 
 Weight names are the checkpoint's (no `model.` prefix): `layers.*`, `fc`, `hidden_norm`, `norm`,
 `markov_head.markov_w1/markov_w2`, `confidence_head.proj`, optional `embed_tokens` / `lm_head` (else the
@@ -151,9 +152,15 @@ class DsparkDrafter(nn.Module):
             return torch.zeros(self.cfg.markov_rank)
         return self.confidence_head.proj.weight[0, self.cfg.hidden_size:].float()
 
+    @property
+    def qmax_confidence(self) -> bool:
+        """Head-less: the confidence logits are logit(q_max) (MarkovDraft's qmax_confidence)."""
+        return self.confidence_head is None
+
     def markov(self, base: torch.Tensor, conf_base: torch.Tensor, anchor: torch.Tensor, return_logits: bool = False):
         """Greedy sequential Markov stage. base [R, N, Vd] float32 (scaled base logits), conf_base [R, N],
-        anchor [R] target ids -> (draft tokens [R, N] target ids, confidence logits [R, N] float32) and,
+        anchor [R] target ids -> (draft tokens [R, N] target ids, confidence logits [R, N] float32: the
+        head's, or logit(q_max) of each position's final logits without a head) and,
         with `return_logits`, each position's final draft-vocabulary logits [R, N, Vd] (tests only:
         the serving path never materialises them outside this loop)."""
         w1 = self.markov_head.markov_w1.weight.float()
@@ -166,7 +173,7 @@ class DsparkDrafter(nn.Module):
         for i in range(base.shape[1]):
             e = w1[prev]  # [R, r]
             if k is None:
-                logits = base[:, i] + self.cfg.logit_scale * (e @ w2.T)
+                logits = corr = base[:, i] + self.cfg.logit_scale * (e @ w2.T)
                 draft_id = logits.argmax(dim=-1)
             else:
                 corr = top_vals[:, i] + self.cfg.logit_scale * torch.einsum("rkd,rd->rk", w2[top_idx[:, i]], e)
@@ -179,13 +186,13 @@ class DsparkDrafter(nn.Module):
                 all_logits.append(logits)
             prev = draft_id + self.d2t[draft_id]
             tokens.append(prev)
-            conf.append(conf_base[:, i] + e @ wc)
+            conf.append(_qmax_logit(corr) if self.qmax_confidence else conf_base[:, i] + e @ wc)
         out = torch.stack(tokens, 1), torch.stack(conf, 1)
         return out + (torch.stack(all_logits, 1),) if return_logits else out
 
     def draft(self, anchor, past_keys, past_values, slot_ids, past_lens):
         """One greedy draft step -> (tokens [R, N] target ids, confidences [R, N] = sigmoid of the
-        confidence logits; all zero logits -> 0.5 without a head)."""
+        confidence logits; q_max, clipped, without a head)."""
         q_len = self.cfg.query_len
         tokens = torch.full((anchor.shape[0], q_len), self.cfg.mask_token_id, dtype=torch.int64)
         tokens[:, 0] = anchor
@@ -203,6 +210,18 @@ class DsparkDrafter(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _qmax_logit(logits: torch.Tensor) -> torch.Tensor:
+    """logit(clip(q_max, 1e-6, 1 - 1e-6)) per row of logits (q_max = 1 where the row max is not finite):
+    the ops' qmax_confidence for a greedy draft."""
+    from dspark_trt.plugins.spec import QMAX_CLIP
+
+    top = logits.amax(-1, keepdim=True)
+    finite = top.isfinite()
+    q = 1.0 / torch.exp(logits - torch.where(finite, top, 0.0)).sum(-1)
+    q = torch.where(finite[:, 0], q, 1.0).clamp(QMAX_CLIP, 1 - QMAX_CLIP)
+    return q.log() - (1 - q).log()
 
 
 def _topk_lowest(x: torch.Tensor, k: int):

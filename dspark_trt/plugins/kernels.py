@@ -367,10 +367,12 @@ def aot_signature(op_name: str, input_dtypes: dict[str, str] | None = None) -> d
 
 
 def aot_constexprs(op_name: str, vocab: int | None = None, temperatures: Sequence[float] | None = None,
-                   rank: int | None = None, logit_scale: float = 1.0, draft_topk: int = 0) -> dict:
+                   rank: int | None = None, logit_scale: float = 1.0, draft_topk: int = 0,
+                   qmax_confidence: int = 0) -> dict:
     if op_name in ("MarkovDraft", "MarkovSample"):
         cfg = launch.markov_launch(0, launch.MAX_BLOCK_V if vocab is None else vocab, rank or launch.MAX_BLOCK_K)
-        return {"SCALE": float(logit_scale), "TOPK": int(draft_topk), **cfg.constexprs}
+        return {"SCALE": float(logit_scale), "TOPK": int(draft_topk), **cfg.constexprs,
+                "QMAX": int(qmax_confidence)}
     if op_name == "Survival":
         temps = tuple(check_temperatures(temperatures if temperatures is not None else []))
         cfg = launch.aot_survival_launch()
@@ -406,7 +408,7 @@ def compile_ptx(op_name: str, *, input_dtypes: dict[str, str] | None = None, voc
     kernel_name, layout = AOT_LAYOUT[op_name]
     kernel = globals()[kernel_name]
     sig = aot_signature(op_name, input_dtypes)
-    consts = aot_constexprs(op_name, vocab, temperatures, **markov)  # markov: rank, logit_scale, draft_topk
+    consts = aot_constexprs(op_name, vocab, temperatures, **markov)  # rank, logit_scale, draft_topk, qmax_confidence
     src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=consts)
     if target is None:
         target = _current_target()

@@ -8,7 +8,8 @@ One program per request walks its N positions in order (each depends on the toke
 the top-k threshold of a position, when asked for, is found by TOPK passes over the row, each taking the
 next (value desc, index asc) entry, so the candidate set equals ONNX TopK's with ties toward the lower
 index; then one pass over the vocabulary adds the Markov bias (markov_w2 rows . e) and keeps the lowest
-index maximum. Only the [R, N] tokens and confidence logits are written.
+index maximum. Only the [R, N] tokens and confidence logits are written. With QMAX (the ops'
+qmax_confidence) the same pass keeps an online softmax normaliser, so q_max costs no extra pass.
 """
 
 from __future__ import annotations
@@ -43,9 +44,28 @@ def _kth_candidate(row_ptr, V, k, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
+def _bias_row(row_ptr, w2_ptr, e, offs, m, K, kk, km, thr_val, thr_idx, SCALE: tl.constexpr):
+    """x = base + SCALE * (markov_w2 @ e) on one block of the vocabulary, -inf outside the candidates."""
+    b = tl.load(row_ptr + offs, mask=m, other=float("-inf")).to(tl.float32)
+    w2 = tl.load(w2_ptr + offs.to(tl.int64)[:, None] * K + kk[None, :], mask=m[:, None] & km[None, :],
+                 other=0.0).to(tl.float32)
+    x = b + SCALE * tl.sum(w2 * e[None, :], axis=1)
+    cand = m & ((b > thr_val) | ((b == thr_val) & (offs <= thr_idx)))
+    return tl.where(cand, x, float("-inf"))
+
+
+@triton.jit
+def _qmax_logit(p):
+    """qmax_confidence: logit of p clipped to [1e-6, 1 - 1e-6] (spec.QMAX_CLIP)."""
+    p = tl.minimum(tl.maximum(p, 1e-6), 1.0 - 1e-6)
+    return tl.log(p) - tl.log(1.0 - p)
+
+
+@triton.jit
 def markov_draft_kernel(base_ptr, cb_ptr, anchor_ptr, w1_ptr, w2_ptr, wc_ptr, d2t_ptr, R, N, V, K,
                         tokens_ptr, conf_ptr,
-                        SCALE: tl.constexpr, TOPK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                        SCALE: tl.constexpr, TOPK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                        QMAX: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     km = kk < K
@@ -61,23 +81,28 @@ def markov_draft_kernel(base_ptr, cb_ptr, anchor_ptr, w1_ptr, w2_ptr, wc_ptr, d2
         e = tl.load(w1_ptr + prev * K + kk, mask=km, other=0.0).to(tl.float32)
         best_val = tl.full([], float("-inf"), tl.float32)
         best_idx = tl.full([], 0, tl.int32)
+        shift = tl.full([], 0.0, tl.float32)  # QMAX: online softmax normaliser denom, relative to shift
+        denom = tl.full([], 0.0, tl.float32)
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             m = offs < V
-            b = tl.load(row_ptr + offs, mask=m, other=float("-inf")).to(tl.float32)
-            w2 = tl.load(w2_ptr + offs.to(tl.int64)[:, None] * K + kk[None, :], mask=m[:, None] & km[None, :],
-                         other=0.0).to(tl.float32)
-            x = b + SCALE * tl.sum(w2 * e[None, :], axis=1)
-            cand = m & ((b > thr_val) | ((b == thr_val) & (offs <= thr_idx)))
-            x = tl.where(cand, x, float("-inf"))
+            x = _bias_row(row_ptr, w2_ptr, e, offs, m, K, kk, km, thr_val, thr_idx, SCALE)
             bmax = tl.max(x, axis=0)
-            bidx = tl.min(tl.where(cand & (x == bmax), offs, V), axis=0)
+            bidx = tl.min(tl.where(m & (x == bmax), offs, V), axis=0)
             better = bmax > best_val
             best_idx = tl.where(better, bidx, best_idx)
             best_val = tl.where(better, bmax, best_val)
+            if QMAX:
+                new_shift = tl.where(tl.abs(best_val) < float("inf"), best_val, 0.0)
+                denom = denom * tl.exp(shift - new_shift) + tl.sum(tl.where(m, tl.exp(x - new_shift), 0.0), axis=0)
+                shift = new_shift
         tok = best_idx.to(tl.int64) + tl.load(d2t_ptr + best_idx).to(tl.int64)
         tl.store(tokens_ptr + slot, tok)
-        tl.store(conf_ptr + slot, tl.load(cb_ptr + slot).to(tl.float32) + tl.sum(e * wc, axis=0))
+        if QMAX:  # q_max = exp(best - shift) / denom = 1 / denom; 1 when the row max is not finite
+            conf = _qmax_logit(1.0 / tl.where(tl.abs(best_val) < float("inf"), denom, 1.0))
+        else:
+            conf = tl.load(cb_ptr + slot).to(tl.float32) + tl.sum(e * wc, axis=0)
+        tl.store(conf_ptr + slot, conf)
         prev = tok
 
 
@@ -88,7 +113,7 @@ AOT_LAYOUT = ("markov_draft_kernel", [("in", "base_logits"), ("in", "conf_base")
 
 
 def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, *, steps: int,
-                 logit_scale: float = 1.0, draft_topk: int = 0, out=None):
+                 logit_scale: float = 1.0, draft_topk: int = 0, qmax_confidence: int = 0, out=None):
     """MarkovDraft on torch tensors -> (draft_tokens int64 [R, N], confidence_logits float32 [R, N])."""
     import torch
 
@@ -109,27 +134,17 @@ def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d
     markov_draft_kernel[cfg.grid](
         base_logits.contiguous(), conf_base.contiguous(), anchor.contiguous(), markov_w1.contiguous(),
         markov_w2.contiguous(), conf_w.contiguous(), d2t.contiguous(), r, n, v, k, tokens, conf,
-        SCALE=float(logit_scale), TOPK=int(draft_topk), num_warps=cfg.num_warps, enable_fp_fusion=FP_FUSION,
-        **cfg.constexprs)
+        SCALE=float(logit_scale), TOPK=int(draft_topk), QMAX=int(qmax_confidence), num_warps=cfg.num_warps,
+        enable_fp_fusion=FP_FUSION, **cfg.constexprs)
     return tokens, conf
 
 
 # ------------------------------------------------------------------------------------ MarkovSample
 @triton.jit
-def _bias_row(row_ptr, w2_ptr, e, offs, m, K, kk, km, thr_val, thr_idx, SCALE: tl.constexpr):
-    """x = base + SCALE * (markov_w2 @ e) on one block of the vocabulary, -inf outside the candidates."""
-    b = tl.load(row_ptr + offs, mask=m, other=float("-inf")).to(tl.float32)
-    w2 = tl.load(w2_ptr + offs.to(tl.int64)[:, None] * K + kk[None, :], mask=m[:, None] & km[None, :],
-                 other=0.0).to(tl.float32)
-    x = b + SCALE * tl.sum(w2 * e[None, :], axis=1)
-    cand = m & ((b > thr_val) | ((b == thr_val) & (offs <= thr_idx)))
-    return tl.where(cand, x, float("-inf"))
-
-
-@triton.jit
 def markov_sample_kernel(base_ptr, cb_ptr, anchor_ptr, w1_ptr, w2_ptr, wc_ptr, d2t_ptr, temp_ptr, u_ptr,
                          R, N, V, K, T, tokens_ptr, conf_ptr, probs_ptr,
-                         SCALE: tl.constexpr, TOPK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+                         SCALE: tl.constexpr, TOPK: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+                         QMAX: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     kk = tl.arange(0, BLOCK_K)
     km = kk < K
@@ -203,7 +218,11 @@ def markov_sample_kernel(base_ptr, cb_ptr, anchor_ptr, w1_ptr, w2_ptr, wc_ptr, d
         d = tl.minimum(count, last_nz)
         tok = d.to(tl.int64) + tl.load(d2t_ptr + d).to(tl.int64)
         tl.store(tokens_ptr + slot, tok)
-        tl.store(conf_ptr + slot, tl.load(cb_ptr + slot).to(tl.float32) + tl.sum(e * wc, axis=0))
+        if QMAX:  # max softmax(x / safe_t) = 1 / denom: q_max at T, or MarkovDraft's for T <= 0 rows
+            conf = _qmax_logit(1.0 / tl.where(finite, denom, 1.0))
+        else:
+            conf = tl.load(cb_ptr + slot).to(tl.float32) + tl.sum(e * wc, axis=0)
+        tl.store(conf_ptr + slot, conf)
         prev = tok
 
 
@@ -216,7 +235,7 @@ SAMPLE_AOT_LAYOUT = ("markov_sample_kernel", [("in", "base_logits"), ("in", "con
 
 
 def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms, *,
-                  steps: int, logit_scale: float = 1.0, draft_topk: int = 0, out=None):
+                  steps: int, logit_scale: float = 1.0, draft_topk: int = 0, qmax_confidence: int = 0, out=None):
     """MarkovSample on torch tensors -> (draft_tokens [R, N], confidence_logits [R, N], draft_probs [R, N, T])."""
     import torch
 
@@ -239,6 +258,6 @@ def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, 
         base_logits.contiguous(), conf_base.contiguous(), anchor.contiguous(), markov_w1.contiguous(),
         markov_w2.contiguous(), conf_w.contiguous(), d2t.contiguous(), temperature.contiguous(),
         uniforms.contiguous(), r, n, v, k, t_vocab, tokens, conf, probs,
-        SCALE=float(logit_scale), TOPK=int(draft_topk), num_warps=cfg.num_warps, enable_fp_fusion=FP_FUSION,
-        **cfg.constexprs)
+        SCALE=float(logit_scale), TOPK=int(draft_topk), QMAX=int(qmax_confidence), num_warps=cfg.num_warps,
+        enable_fp_fusion=FP_FUSION, **cfg.constexprs)
     return tokens, conf, probs

@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 from dspark_trt.errors import DsparkError
-from dspark_trt.plugins.spec import DOMAIN, OPS, VERSION, check_temperatures
+from dspark_trt.plugins.spec import DOMAIN, OPS, QMAX_CLIP, VERSION, check_temperatures
 
 MIN_OPSET = 18  # ReduceMax/ReduceMin with axes as an input
 DEFAULT_OPSET = 18
@@ -248,9 +248,29 @@ def _ref_constant(b: _Body, attr_name: str, field: str, attr_type) -> str:
     return out
 
 
-def _markov_body(b: _Body, steps: int, sample: bool = False) -> list[str]:
+def _softmax(b: _Body, z: str, zero_f: str) -> tuple[str, str]:
+    """Row softmax of [R, V] z -> (soft [R, V], finite [R, 1]: the row max is finite; soft is not
+    meaningful where it is not)."""
+    zmax = b.op("ReduceMax", z, b.const([1], "int64"), keepdims=1)
+    finite = b.op("Less", b.op("Abs", zmax), b.const(float("inf")))
+    ex = b.op("Exp", b.op("Sub", z, b.op("Where", finite, zmax, zero_f)))
+    return b.op("Div", ex, b.op("ReduceSum", ex, b.const([1], "int64"), keepdims=1)), finite
+
+
+def _qmax_logit(b: _Body, soft: str, finite: str) -> str:
+    """qmax_confidence: logit(clip(q_max, 1e-6, 1 - 1e-6)), q_max = max of the soft row (1 where the row
+    max is not finite)."""
+    one_f = b.const(1.0)
+    qmax = b.op("ReduceMax", soft, b.const([1], "int64"), keepdims=0)
+    p = b.op("Where", b.op("Squeeze", finite, b.const([1], "int64")), qmax, one_f)
+    p = b.op("Clip", p, b.const(QMAX_CLIP), b.const(1 - QMAX_CLIP))
+    return b.op("Sub", b.op("Log", p), b.op("Log", b.op("Sub", one_f, p)))
+
+
+def _markov_body(b: _Body, steps: int, sample: bool = False, qmax: bool = False) -> list[str]:
     """MarkovDraft (sample=False) / MarkovSample, unrolled over the `steps` positions (no Loop: the
-    TensorRT parser imports every node)."""
+    TensorRT parser imports every node). `qmax` (the nodes' qmax_confidence) is built in like `steps`,
+    so graphs without it compute no extra softmax."""
     import onnx
 
     base = _float(b, "base_logits")  # [R, N, V]
@@ -291,11 +311,7 @@ def _markov_body(b: _Body, steps: int, sample: bool = False) -> list[str]:
         x = b.op("Where", b.op("Gather", cand, ii, axis=1), x, neg_inf)
         d = _lowest_argmax(b, x, vf, iota_vf)
         if sample:  # q = softmax(x / T) (one-hot of the argmax if T <= 0 or the max is not finite); inverse CDF
-            z = b.op("Div", x, safe_t)
-            zmax = b.op("ReduceMax", z, b.const([1], "int64"), keepdims=1)
-            finite = b.op("Less", b.op("Abs", zmax), b.const(float("inf")))
-            ex = b.op("Exp", b.op("Sub", z, b.op("Where", finite, zmax, zero_f)))
-            soft = b.op("Div", ex, b.op("ReduceSum", ex, b.const([1], "int64"), keepdims=1))
+            soft, finite = _softmax(b, b.op("Div", x, safe_t), zero_f)
             greedy = b.op("Or", b.op("Not", _unsq(b, positive, 1)), b.op("Not", finite))
             onehot = _float(b, b.op("Equal", _unsq(b, iota, 0), _unsq(b, d, 1)))
             q = b.op("Where", greedy, onehot, soft)
@@ -307,16 +323,21 @@ def _markov_body(b: _Body, steps: int, sample: bool = False) -> list[str]:
                            b.const([1], "int64"), keepdims=0)
             d = _int64(b, b.op("Min", count, last_nz))
             probs.append(_unsq(b, b.op("ScatterElements", zeros_rt, idx_rv, q, axis=1), 1))
+        elif qmax:
+            soft, finite = _softmax(b, x, b.const(0.0))
         prev = b.op("Add", d, b.op("Gather", "d2t", d, axis=0))
         toks.append(_unsq(b, prev, 1))
-        c = b.op("Add", b.op("Gather", cb, ii, axis=1),
-                 b.op("ReduceSum", b.op("Mul", e, "conf_w"), b.const([1], "int64"), keepdims=0))
+        if qmax:  # sampled rows: soft is q at T; T <= 0 rows: safe_t = 1, so soft is MarkovDraft's softmax
+            c = _qmax_logit(b, soft, finite)
+        else:
+            c = b.op("Add", b.op("Gather", cb, ii, axis=1),
+                     b.op("ReduceSum", b.op("Mul", e, "conf_w"), b.const([1], "int64"), keepdims=0))
         confs.append(_unsq(b, c, 1))
     b.rename(b.op("Concat", *toks, axis=1), "draft_tokens")
     b.rename(b.op("Concat", *confs, axis=1), "confidence_logits")
     if sample:
         b.rename(b.op("Concat", *probs, axis=1), "draft_probs")
-    return ["steps", "logit_scale", "draft_topk"]
+    return ["steps", "logit_scale", "draft_topk", "qmax_confidence"]
 
 
 _BODIES = {"Survival": _survival_body, "GreedyAccept": _greedy_body, "SampleAccept": _sample_body,
@@ -325,13 +346,13 @@ MARKOV_OPS = ("MarkovDraft", "MarkovSample")
 
 
 def function_proto(op_name: str, temperatures: Sequence[float] | None = None, opset: int = DEFAULT_OPSET,
-                   steps: int | None = None):
+                   steps: int | None = None, qmax_confidence: int = 0):
     """The FunctionProto (domain ``dspark``, name = op name) of one op.
 
     For Survival, ``temperatures`` given makes it the attribute's default (nodes may then omit it);
     otherwise the attribute is required on every node. The body always reads the node's value.
-    MarkovDraft's body is unrolled over ``steps`` positions (required for that op; every MarkovDraft
-    node of a model must carry the same ``steps``).
+    MarkovDraft's body is unrolled over ``steps`` positions and built for ``qmax_confidence`` (every
+    MarkovDraft/MarkovSample node of a model must carry the same values).
     """
     import onnx.helper
 
@@ -345,7 +366,7 @@ def function_proto(op_name: str, temperatures: Sequence[float] | None = None, op
     if op_name in MARKOV_OPS:
         if not steps or steps < 1:
             raise DsparkError(f"the {op_name} function body needs steps >= 1 (the node attribute)")
-        attrs = _markov_body(b, int(steps), sample=op_name == "MarkovSample")
+        attrs = _markov_body(b, int(steps), sample=op_name == "MarkovSample", qmax=bool(qmax_confidence))
     else:
         attrs = _BODIES[op_name](b)
     attribute_names, attribute_protos = list(attrs), []
@@ -361,13 +382,14 @@ def function_proto(op_name: str, temperatures: Sequence[float] | None = None, op
 
 
 def function_protos(ops_used: Iterable[str], temperatures: Sequence[float] | None = None,
-                    opset: int = DEFAULT_OPSET, steps: int | None = None) -> list:
+                    opset: int = DEFAULT_OPSET, steps: int | None = None, qmax_confidence: int = 0) -> list:
     """FunctionProtos for the given op names (deduplicated, spec order)."""
     wanted = set(ops_used)
     unknown = wanted - set(OPS)
     if unknown:
         raise DsparkError(f"unknown dspark op(s) {sorted(unknown)}; known: {', '.join(sorted(OPS))}")
-    return [function_proto(name, temperatures, opset, steps=steps) for name in OPS if name in wanted]
+    return [function_proto(name, temperatures, opset, steps=steps, qmax_confidence=qmax_confidence)
+            for name in OPS if name in wanted]
 
 
 def _iter_nodes(graph):
@@ -407,7 +429,7 @@ def attach_functions(model, temperatures: Sequence[float] | None = None):
 
     nodes = dspark_nodes(model)
     used: list[str] = []
-    steps = None
+    steps, qmax = None, set()
     for n in nodes:
         if n.op_type not in OPS:
             raise DsparkError(f"node {n.name or n.op_type!r} uses unknown dspark op {n.op_type!r}; "
@@ -425,10 +447,13 @@ def attach_functions(model, temperatures: Sequence[float] | None = None):
                 raise DsparkError(f"{n.op_type} node {n.name!r}: every MarkovDraft/MarkovSample node of a model "
                                   f"needs the same steps attribute (found {node_steps} and {steps})")
             steps = node_steps
+            qmax.add(next((a.i for a in n.attribute if a.name == "qmax_confidence"), 0))
         if n.op_type not in used:
             used.append(n.op_type)
     if not used:
         return model
+    if len(qmax) > 1:
+        raise DsparkError("every MarkovDraft/MarkovSample node of a model needs the same qmax_confidence attribute")
     opset = model_opset(model)
     if opset is None:
         opset = DEFAULT_OPSET
@@ -439,7 +464,8 @@ def attach_functions(model, temperatures: Sequence[float] | None = None):
     elif have != VERSION:
         raise DsparkError(f"model imports domain {DOMAIN!r} version {have}; this dspark-trt provides version "
                           f"{VERSION}")
-    new = function_protos(used, temperatures=temperatures, opset=opset, steps=steps)
+    new = function_protos(used, temperatures=temperatures, opset=opset, steps=steps,
+                          qmax_confidence=max(qmax, default=0))
     keep = [f for f in model.functions if not (f.domain == DOMAIN and f.name in set(used))]
     del model.functions[:]
     model.functions.extend(keep + new)

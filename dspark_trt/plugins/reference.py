@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from dspark_trt.plugins.spec import check_temperatures
+from dspark_trt.plugins.spec import QMAX_CLIP, check_temperatures
 
 F32 = np.float32
 
@@ -327,8 +327,18 @@ def topk_mask(x, k: int) -> np.ndarray:
     return mask
 
 
+def qmax_logit(x, temperature) -> np.ndarray:
+    """The qmax_confidence logit: logit(clip(q_max, 1e-6, 1 - 1e-6)) per row, q_max = max softmax(x / T'),
+    T' = T where T > 0 else 1 (1 where the row maximum of x / T' is not finite)."""
+    t = np.asarray(temperature, dtype=F32).reshape(-1)
+    p, _ = target_probs(x, np.where(t > 0, t, F32(1)))
+    q = np.clip(p.max(axis=-1), F32(QMAX_CLIP), F32(1 - QMAX_CLIP))
+    return (np.log(q) - np.log(F32(1) - q)).astype(F32)
+
+
 def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, *, steps: int,
-                 logit_scale: float = 1.0, draft_topk: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                 logit_scale: float = 1.0, draft_topk: int = 0, qmax_confidence: int = 0
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """MarkovDraft: greedy sequential Markov stage of a DSpark draft step -> (draft_tokens [R, N] int64,
     confidence_logits [R, N] float32). See spec.MARKOV_DRAFT."""
     base = np.asarray(base_logits, dtype=F32)
@@ -348,12 +358,12 @@ def markov_draft(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d
         d = argmax_lowest(x)
         prev = d + d2t[d]
         tokens[:, i] = prev
-        conf[:, i] = cb[:, i] + e @ wc
+        conf[:, i] = qmax_logit(x, np.ones(r, F32)) if qmax_confidence else cb[:, i] + e @ wc
     return tokens, conf
 
 
 def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms, *,
-                  steps: int, logit_scale: float = 1.0, draft_topk: int = 0):
+                  steps: int, logit_scale: float = 1.0, draft_topk: int = 0, qmax_confidence: int = 0):
     """MarkovSample -> (draft_tokens [R, N] int64, confidence_logits [R, N], draft_probs [R, N, T] float32).
     See spec.MARKOV_SAMPLE."""
     base = np.asarray(base_logits, dtype=F32)
@@ -376,7 +386,7 @@ def markov_sample(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, 
         d = inverse_cdf(q, u[:, i])
         prev = to_target[d]
         tokens[:, i] = prev
-        conf[:, i] = cb[:, i] + e @ wc
+        conf[:, i] = qmax_logit(x, temp) if qmax_confidence else cb[:, i] + e @ wc
         probs[:, i, to_target] = q
     return tokens, conf, probs
 
@@ -410,10 +420,15 @@ def markov_cases(seed: int = 0) -> dict[str, dict]:
     cases = {"dense": case(3, 4, 50, 50, 6), "one_step": case(2, 1, 33, 33, 4),
              "reduced_vocab": case(3, 5, 40, 90, 8, reduced=True), "topk": case(4, 4, 60, 60, 5, topk=3),
              "topk_reduced_scaled": case(2, 6, 30, 70, 4, topk=7, reduced=True, scale=0.6),
-             "large_vocab": case(2, 3, 5000, 5000, 16, topk=0), "zero_rank_weights": case(2, 3, 20, 20, 3)}
+             "large_vocab": case(2, 3, 5000, 5000, 16, topk=0), "zero_rank_weights": case(2, 3, 20, 20, 3),
+             "non_finite": case(3, 3, 24, 24, 4)}
     z = cases["zero_rank_weights"]
     z["markov_w1"][:] = 0.0  # no bias: pure base argmax; base has ties -> lowest index
     z["base_logits"][:, :, 5:9] = 10.0
     t = cases["topk"]
     t["base_logits"][0, 0, [2, 7, 11, 40]] = 9.0  # four-way tie at the top with k = 3: indices 2, 7, 11
+    nf = cases["non_finite"]["base_logits"]
+    nf[0, 1] = -np.inf  # no finite logit: token 0, q_max = 1
+    nf[1, 0, [3, 9]] = np.inf  # +inf ties: the lowest index, q_max = 1
+    nf[2, 2, 5:] = -np.inf
     return cases

@@ -39,6 +39,9 @@ VERSION = 1
 PLUGIN_NAMESPACE = "dspark"
 PLUGIN_VERSION = "1"
 
+QMAX_CLIP = 1e-6
+"""qmax_confidence clips the drafted token's probability to [QMAX_CLIP, 1 - QMAX_CLIP] before the logit."""
+
 FLOAT_TYPES = ("float32", "float16", "bfloat16")
 """Floating inputs that carry model outputs (logits, probabilities) may use any of these."""
 
@@ -174,7 +177,8 @@ MARKOV_DRAFT = OpSpec(
     outputs=(
         TensorSpec("draft_tokens", _I64, ("R", "N"), "greedy draft tokens, target vocabulary"),
         TensorSpec("confidence_logits", _F32, ("R", "N"),
-                   "conf_base[r,i] + conf_w . e_i (feed to Survival for calibrated survivals)"),
+                   "conf_base[r,i] + conf_w . e_i, or with qmax_confidence = 1 logit(q_max) of the "
+                   "position's draft distribution (feed to Survival for calibrated survivals)"),
     ),
     attributes=(
         AttrSpec("steps", "INT", "N, the number of sequential positions (must equal base_logits dim 1)"),
@@ -182,11 +186,16 @@ MARKOV_DRAFT = OpSpec(
                  default=1.0),
         AttrSpec("draft_topk", "INT", "k > 0: only the k largest base logits of a position are candidates "
                  "(ties at the k-th value: lower index first); 0: every logit", required=False, default=0),
+        AttrSpec("qmax_confidence", "INT", "1: the confidence logits are logit(clip(q_max, 1e-6, 1 - 1e-6)) of "
+                 "each position's final draft distribution (for drafters without a confidence head; conf_base "
+                 "and conf_w are then ignored); 0: the confidence head's logits", required=False, default=0),
     ),
     doc="The sequential stage of a DSpark draft step (greedy). For i = 0..N-1 with prev_0 = anchor: "
         "e_i = markov_w1[prev_i]; x_i = base_logits[r,i] + logit_scale * (markov_w2 @ e_i), -inf outside "
         "the top-k candidates when draft_topk > 0; d_i = lowest-index argmax of x_i; draft token "
-        "t_i = d_i + d2t[d_i]; prev_{i+1} = t_i; confidence logit c_i = conf_base[r,i] + conf_w . e_i. "
+        "t_i = d_i + d2t[d_i]; prev_{i+1} = t_i; confidence logit c_i = conf_base[r,i] + conf_w . e_i, or with "
+        "qmax_confidence = 1 c_i = log(p_i) - log(1 - p_i), p_i = clip(max softmax(x_i), 1e-6, 1 - 1e-6) "
+        "(q_max, the drafted token's probability; 1 when the row maximum of x_i is not finite). "
         "Only [R, N] tokens and logits leave the op; no [R, N, V] probabilities.",
 )
 
@@ -206,7 +215,11 @@ MARKOV_SAMPLE = OpSpec(
         "[R, N, V] tensor). x_i as in MarkovDraft; q_i = softmax(x_i / T_r), one-hot of the lowest-index "
         "argmax when T_r <= 0 or the row maximum of x_i / T_r is not finite; d_i = the smallest index "
         "with cumsum(q_i) > u[r,i] * sum(q_i), clamped to the last index with q_i > 0; token "
-        "t_i = d_i + d2t[d_i]; prev_{i+1} = t_i; draft_probs[r,i,d + d2t[d]] = q_i[d].",
+        "t_i = d_i + d2t[d_i]; prev_{i+1} = t_i; draft_probs[r,i,d + d2t[d]] = q_i[d]. With qmax_confidence "
+        "= 1, c_i is MarkovDraft's formula with p_i = max softmax(x_i / T'), T' = T_r if T_r > 0 else 1 (1 "
+        "when the row maximum of x_i / T' is not finite): max q_i for sampled rows, MarkovDraft's q_max for "
+        "T_r <= 0 rows. It is not q_i(d_i): a confidence that depends on the token it scores would make "
+        "'verify t_i?' depend on t_i, which speculative sampling cannot allow (runtime/controller.py).",
 )
 
 OPS: dict[str, OpSpec] = {op.name: op for op in (SURVIVAL, GREEDY_ACCEPT, SAMPLE_ACCEPT, MARKOV_DRAFT,
@@ -280,6 +293,8 @@ def _check_attr(op_name: str, a: AttrSpec, value: Any) -> Any:
     if a.type == "INT":
         if int(value) != value or int(value) < (1 if a.name == "steps" else 0):
             raise ValueError(f"{op_name}.{a.name} must be an integer >= {1 if a.name == 'steps' else 0}, got {value!r}")
+        if a.name == "qmax_confidence" and int(value) > 1:
+            raise ValueError(f"{op_name}.qmax_confidence must be 0 or 1, got {value!r}")
         return int(value)
     if a.type == "FLOAT":
         return float(value)

@@ -22,7 +22,8 @@ API versions used (see /work/shared/notes/tensorrt.md):
 * An engine built with the JIT implementation needs this module imported wherever it is deserialized.
 
 AOT plugin attributes are not serialized, so everything a kernel needs is baked in at build time:
-the Survival temperatures are a constexpr tuple of the compiled kernel, block sizes come from the
+the Survival temperatures are a constexpr tuple of the compiled kernel (as are the Markov ops' logit
+scale, top-k and qmax_confidence), block sizes come from the
 (static) vocabulary; R, J, M (packed rows) and V are int32 extra arguments from symbolic shapes.
 
 This module is deliberately thin: shape rules (spec.output_dims), I/O type combinations
@@ -249,7 +250,7 @@ def sample_accept_aot_impl(logits: trtp.TensorDesc, draft_probs: trtp.TensorDesc
 # -------------------------------------------------------------------------------------- MarkovDraft
 def markov_draft_desc(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
                       markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
-                      d2t: trtp.TensorDesc, steps: int, logit_scale: float, draft_topk: int
+                      d2t: trtp.TensorDesc, steps: int, logit_scale: float, draft_topk: int, qmax_confidence: int
                       ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc]:
     return _outputs("MarkovDraft", base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t)
 
@@ -262,8 +263,8 @@ def markov_draft_autotune(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDe
 
 def markov_draft_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor: trtp.Tensor,
                       markov_w1: trtp.Tensor, markov_w2: trtp.Tensor, conf_w: trtp.Tensor, d2t: trtp.Tensor,
-                      steps: int, logit_scale: float, draft_topk: int, outputs: Tuple[trtp.Tensor],
-                      stream: int) -> None:
+                      steps: int, logit_scale: float, draft_topk: int, qmax_confidence: int,
+                      outputs: Tuple[trtp.Tensor], stream: int) -> None:
     import torch
 
     from dspark_trt.plugins import markov_kernels
@@ -271,27 +272,29 @@ def markov_draft_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor: 
     with torch.cuda.stream(torch.cuda.ExternalStream(stream)):
         ts = _cuda(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, *outputs)
         markov_kernels.markov_draft(*ts[:7], steps=int(steps), logit_scale=float(logit_scale),
-                                    draft_topk=int(draft_topk), out=tuple(ts[7:]))
+                                    draft_topk=int(draft_topk), qmax_confidence=int(qmax_confidence),
+                                    out=tuple(ts[7:]))
 
 
 def markov_draft_aot_impl(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
                           markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
                           d2t: trtp.TensorDesc, steps: int, logit_scale: float, draft_topk: int,
-                          outputs: Tuple[trtp.TensorDesc], tactic: int
+                          qmax_confidence: int, outputs: Tuple[trtp.TensorDesc], tactic: int
                           ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
                                      trtp.SymExprs]:
     r, n, v = (base_logits.shape_expr[i] for i in range(3))
     k = markov_w1.shape_expr[1]
     inputs = (base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t)
     return _aot_result("MarkovDraft", inputs, r, {"R": r, "N": n, "V": v, "K": k}, vocab=_static(v),
-                       rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk))
+                       rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk),
+                       qmax_confidence=int(qmax_confidence))
 
 
 # ------------------------------------------------------------------------------------- MarkovSample
 def markov_sample_desc(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
                        markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
                        d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc, steps: int,
-                       logit_scale: float, draft_topk: int
+                       logit_scale: float, draft_topk: int, qmax_confidence: int
                        ) -> Tuple[trtp.TensorDesc, trtp.TensorDesc, trtp.TensorDesc]:
     return _outputs("MarkovSample", base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature,
                     uniforms)
@@ -307,7 +310,7 @@ def markov_sample_autotune(base_logits: trtp.TensorDesc, conf_base: trtp.TensorD
 def markov_sample_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor: trtp.Tensor,
                        markov_w1: trtp.Tensor, markov_w2: trtp.Tensor, conf_w: trtp.Tensor, d2t: trtp.Tensor,
                        temperature: trtp.Tensor, uniforms: trtp.Tensor, steps: int, logit_scale: float,
-                       draft_topk: int, outputs: Tuple[trtp.Tensor], stream: int) -> None:
+                       draft_topk: int, qmax_confidence: int, outputs: Tuple[trtp.Tensor], stream: int) -> None:
     import torch
 
     from dspark_trt.plugins import markov_kernels
@@ -316,20 +319,22 @@ def markov_sample_impl(base_logits: trtp.Tensor, conf_base: trtp.Tensor, anchor:
         ts = _cuda(base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms,
                    *outputs)
         markov_kernels.markov_sample(*ts[:9], steps=int(steps), logit_scale=float(logit_scale),
-                                     draft_topk=int(draft_topk), out=tuple(ts[9:]))
+                                     draft_topk=int(draft_topk), qmax_confidence=int(qmax_confidence),
+                                     out=tuple(ts[9:]))
 
 
 def markov_sample_aot_impl(base_logits: trtp.TensorDesc, conf_base: trtp.TensorDesc, anchor: trtp.TensorDesc,
                            markov_w1: trtp.TensorDesc, markov_w2: trtp.TensorDesc, conf_w: trtp.TensorDesc,
                            d2t: trtp.TensorDesc, temperature: trtp.TensorDesc, uniforms: trtp.TensorDesc,
-                           steps: int, logit_scale: float, draft_topk: int, outputs: Tuple[trtp.TensorDesc],
-                           tactic: int) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams,
-                                                 trtp.SymExprs]:
+                           steps: int, logit_scale: float, draft_topk: int, qmax_confidence: int,
+                           outputs: Tuple[trtp.TensorDesc], tactic: int
+                           ) -> Tuple[Union[str, bytes], Union[str, bytes], trtp.KernelLaunchParams, trtp.SymExprs]:
     r, n, v = (base_logits.shape_expr[i] for i in range(3))
     t, k = markov_w1.shape_expr[0], markov_w1.shape_expr[1]
     inputs = (base_logits, conf_base, anchor, markov_w1, markov_w2, conf_w, d2t, temperature, uniforms)
     return _aot_result("MarkovSample", inputs, r, {"R": r, "N": n, "V": v, "K": k, "T": t}, vocab=_static(v),
-                       rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk))
+                       rank=_static(k), logit_scale=float(logit_scale), draft_topk=int(draft_topk),
+                       qmax_confidence=int(qmax_confidence))
 
 
 # ------------------------------------------------------------------------------------- registration

@@ -30,7 +30,7 @@ from dspark_trt.runtime.kv_cache import KVCache
 
 class DsparkDraft(NamedTuple):
     tokens: np.ndarray  # [R, N] int64, target vocabulary
-    confidence_logits: np.ndarray  # [R, N] float32 (all 0 for a head-less drafter)
+    confidence_logits: np.ndarray  # [R, N] float32 (head-less drafter: logit of the drafted token's probability)
     survival: np.ndarray  # [R, N] float32: running product of the calibrated confidences
     probs: np.ndarray | None = None  # [R, N, V_target] q of each draft (sampling flavour only)
 

@@ -19,7 +19,7 @@ from dspark_trt.models.dspark_drafter import DsparkDrafter
 class BlockRollout:
     drafts: torch.Tensor  # [R, N] target token ids
     matched: torch.Tensor  # [R, N] bool: draft i equals the target's greedy token after context + drafts[:i]
-    conf_logits: torch.Tensor  # [R, N] the confidence head's logits (zeros without a head)
+    conf_logits: torch.Tensor  # [R, N] the confidence head's logits (logit(q_max) without a head)
     top_prob: torch.Tensor  # [R, N] max softmax probability of the draft's final logits (the no-head fallback)
     features: torch.Tensor  # [R, N, hidden (+ markov_rank)]: the confidence head's input [h_i ; e_i]
 
