@@ -109,8 +109,9 @@ def test_target_graph_with_aux_outputs_matches_the_decoder(exported, tmp_path):
 
     target, graphs = exported
     drafter, _ = graphs["head with markov"]
-    path = export_target_with_aux(target, drafter.cfg.aux_layers, tmp_path / "target_aux.onnx", num_slots=SLOTS)
-    sess = session(path)
+    written = export_target_with_aux(target, drafter.cfg.aux_layers, tmp_path / "target_aux.onnx", num_slots=SLOTS)
+    assert written == ["target_aux.onnx"]  # weights inline under --external-data auto at this size
+    sess = session(tmp_path / written[0])
     assert sess.get_outputs()[-1].name == "aux_hidden"
     # two requests: a 5-token prefill in slot 1 and a 3-token verify after 4 cached tokens in slot 3
     ql, past_lens, slots = [5, 3], [0, 4], [1, 3]
