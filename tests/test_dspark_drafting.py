@@ -118,9 +118,12 @@ def test_artifact_records_the_dspark_drafter_and_runs(tmp_path):
     rt = DsparkDrafting.from_artifact(art)
     rt.observe(1, np.random.default_rng(0).standard_normal((4, 96)).astype(np.float32), 0)
     d = rt.draft([1], [7])
-    assert d.tokens.shape == (1, 2) and (d.confidence_logits == 0).all() and d.probs is None
+    q = 1.0 / (1.0 + np.exp(-d.confidence_logits.astype(np.float64)))  # head-less: q_max of each position
+    assert d.tokens.shape == (1, 2) and ((q > 0) & (q < 1)).all() and d.probs is None
+    assert np.allclose(d.survival, np.cumprod(q, axis=1), rtol=1e-4)
     g = rt.draft([1, 1], [7, 7], temperature=[0.0, 1.0], uniforms=np.full((2, 2), 0.3, np.float32))
     assert g.probs.shape == (2, 2, 120) and np.allclose(g.probs.sum(-1), 1.0, atol=1e-5)
+    assert np.allclose(1.0 / (1.0 + np.exp(-g.confidence_logits[1])), g.probs[1].max(-1), atol=1e-5)  # T = 1
     assert g.tokens[0].tolist() == d.tokens[0].tolist()  # T = 0 rows draft greedily
     assert all(g.probs[i, j, g.tokens[i, j]] > 0 for i in range(2) for j in range(2))
     with pytest.raises(DsparkError, match="--force"):
