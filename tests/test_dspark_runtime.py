@@ -127,11 +127,31 @@ def test_bench_refuses_fixed_k_beyond_the_block_size_naming_the_block_size(artif
         run_bench(artifact, modes=f"off,fixed:{k}", out_dir=tmp_path / "bench")
 
 
-def test_other_backends_and_export_options_that_do_not_apply_are_refused(artifact, tmp_path):
+def test_the_torch_backend_runs_the_modules_and_matches_ort(artifact):
+    """The numerical reference for a DSpark artifact: the target step (aux rows included) and the drafter's
+    graphs as eager modules from the source checkpoints; greedy output equals the ORT backend's (standard
+    graphs) in every mode, and a sampled request drafts on the sampling module."""
+    out = {}
+    for backend in ("torch", "ort"):
+        rt = Runtime.load(artifact, backend=backend, profile="none")
+        try:
+            out[backend] = {spec: [o.token_ids for o in rt.generate(PROMPTS, GenerationConfig(max_new_tokens=12,
+                                                                                              spec=spec))]
+                            for spec in ("off", "fixed:3", "adaptive")}
+            if backend == "torch":
+                calls = rt.drafter.drafting.graphs.calls
+                assert calls["draft"] > 0 and calls["dspark_context"] > 0
+                rt.generate(PROMPTS[:1], GenerationConfig(max_new_tokens=6, spec="fixed:2", temperature=0.8, seed=1))
+                assert calls["draft_sample"] > 0
+        finally:
+            rt.close()
+    assert out["torch"] == out["ort"]
+    assert out["torch"]["fixed:3"] == out["torch"]["off"] == out["torch"]["adaptive"]
+
+
+def test_export_options_that_do_not_apply_are_refused(artifact, tmp_path):
     from dspark_trt.exporter.export import export_artifacts
 
-    with pytest.raises(DsparkError, match=r"holds a DSpark drafter, which runs on --backend ort or trt \(not torch\)$"):
-        Runtime.load(artifact, backend="torch", profile="none")
     src = load_manifest(artifact)["sources"]
     with pytest.raises(DsparkError, match="^--head does not apply to the DSpark drafter"):
         export_artifacts(src["target"], src["draft"], tmp_path / "a", head_dir=tmp_path)

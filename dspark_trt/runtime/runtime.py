@@ -171,9 +171,6 @@ class Runtime:
         if manifest.drafter_kind not in ("classic", "dspark"):
             raise DsparkError(f"{artifact_dir} holds a {manifest.drafter_kind!r} drafter, which this version "
                               "cannot run: upgrade dspark-trt or re-export the artifact")
-        if manifest.drafter_kind == "dspark" and backend not in ("ort", "trt"):
-            raise DsparkError(f"{artifact_dir} holds a DSpark drafter, which runs on --backend ort or trt "
-                              f"(not {backend})")
         # the backend first: it says what to install or build, if anything
         be = make_backend(backend, artifact_dir, manifest, **(backend_options or {}))
         verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it

@@ -41,13 +41,24 @@ class TorchBackend:
             raise DsparkError("the torch backend runs fp16 on CUDA only (CPU kernels lack half precision "
                               "coverage): use dtype fp32 or bf16 on CPU, or device cuda")
         self.torch = torch
+        self.artifact_dir = artifact_dir
         steps_manifest = dict(manifest, model=dict(manifest["model"], dtype=self.dtype))
+        self.calls = Counter()
+        self._dspark = None
+        if manifest["draft"].get("kind") == "dspark":  # its drafter's modules run in its drafter phase
+            from dspark_trt.runtime.backends.torch_dspark import load_dspark_modules
+
+            self.target, self._dspark = load_dspark_modules(steps_manifest, self.device)
+            self._manifest = steps_manifest
+            self.has_greedy_draft = False
+            self.num_layers = {"target": manifest["model"]["num_layers"]}
+            self._float = next(self.target.parameters()).dtype
+            return
         self.draft, self.target = (m.to(self.device) for m in build_steps(steps_manifest))
         from dspark_trt.exporter.graphs import GreedyDraftStep
 
         self.draft_greedy = GreedyDraftStep(self.draft.decoder, self.draft.head, self.draft.temperatures).eval()
         self.has_greedy_draft = True  # the modules themselves: no exported flavour needed
-        self.calls = Counter()
         self.num_layers = {"draft": manifest["draft"]["num_layers"], "target": manifest["model"]["num_layers"]}
         self._float = next(self.target.parameters()).dtype
 
@@ -70,6 +81,8 @@ class TorchBackend:
         outs = [self._to_host(o) for o in outs]
         named = dict(zip(outputs, outs[:len(outputs)]))
         present = outs[len(outputs):len(outputs) + 2 * n_layers]
+        if graph == "target" and self._dspark is not None:
+            named["aux_hidden"] = outs[-1]  # DsparkTargetStep's last output
         return named, present
 
     def run_draft(self, feeds, past):
@@ -87,6 +100,12 @@ class TorchBackend:
         from dspark_trt.manifest import TARGET_INPUTS, TARGET_OUTPUTS
 
         return self._run("target", self.target, TARGET_OUTPUTS, self.num_layers["target"], TARGET_INPUTS, feeds, past)
+
+    def dspark_graphs(self):
+        """A DSpark drafter's graphs as eager modules (backends/torch_dspark.py), for its drafter phase."""
+        from dspark_trt.runtime.backends.torch_dspark import TorchDsparkGraphs
+
+        return TorchDsparkGraphs(self, self._dspark, self._manifest)
 
 
 def check_device(torch, device):
