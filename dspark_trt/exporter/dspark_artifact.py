@@ -36,11 +36,9 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     from dspark_trt.exporter.export import _io, plan_dims
     from dspark_trt.exporter.ort_flavour import check_flavour, ort_file, record_ort_graph
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
-    from dspark_trt.exporter.dspark_export import with_dtype
     from dspark_trt.exporter.external_data import use_external
     from dspark_trt.manifest import Manifest
-    from dspark_trt.models.checkpoint import load_decoder, torch_dtype
-    from dspark_trt.models.decoder import rope_inv_freq
+    from dspark_trt.models.checkpoint import load_decoder
     from dspark_trt.models.dspark_drafter import load_dspark_drafter
     from dspark_trt.outputs import Staging, check_out_dir, replace_dir
 
@@ -61,10 +59,8 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     if max_context > target.config.max_position_embeddings:
         raise DsparkError(f"--max-context {max_context} exceeds the target's max_position_embeddings "
                           f"{target.config.max_position_embeddings}")
-    drafter = load_dspark_drafter(draft_dir, target_dir)
+    drafter = load_dspark_drafter(draft_dir, target_dir, dtype)
     cfg = drafter.cfg
-    if dtype != "fp32":
-        drafter = with_dtype(drafter, torch_dtype(dtype), rope_inv_freq(cfg.layers))
     n = cfg.num_draft
     bar.update()
     staging = Staging(out_dir.parent, ".export-")

@@ -48,14 +48,6 @@ def past_names(num_layers: int) -> list[str]:
     return [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
 
 
-def with_dtype(module: nn.Module, dtype: torch.dtype, inv_freq: torch.Tensor) -> nn.Module:
-    """module's floating weights in dtype, its rotary frequencies (a computed buffer) kept in float32, as
-    the classic export's decoders keep them (checkpoint.load_decoder)."""
-    module = module.to(dtype)
-    module.inv_freq = inv_freq
-    return module
-
-
 def markov_op(inputs: list, steps: int, logit_scale: float, draft_topk: int, qmax_confidence: bool = False):
     """MarkovDraft (7 inputs) or MarkovSample (9: + temperature, uniforms): one custom ONNX node under
     export, the numpy reference in eager mode."""
@@ -141,7 +133,7 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
     "draft_ort" ("sample_ort") beside the standard files."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    drafter = drafter.eval()  # in its dtype (with_dtype); the Markov stage and the confidences run in float32
+    drafter = drafter.eval()  # in its dtype (load_dspark_drafter); the Markov stage and confidences in float32
     dtype = drafter.lm_head.weight.dtype
     cfg = drafter.cfg
     layers = cfg.layers.num_hidden_layers

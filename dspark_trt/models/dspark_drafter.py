@@ -262,8 +262,9 @@ def _rename(name: str) -> str:
     return name
 
 
-def load_dspark_drafter(draft_dir: str | Path, target_dir: str | Path) -> DsparkDrafter:
-    """Load a DSpark draft folder for the target in `target_dir` (float32, eval mode)."""
+def load_dspark_drafter(draft_dir: str | Path, target_dir: str | Path, dtype: str = "fp32") -> DsparkDrafter:
+    """Load a DSpark draft folder for the target in `target_dir` (eval mode; weights in dtype, the rotary
+    frequencies, a computed buffer, kept in float32 as checkpoint.load_decoder keeps them)."""
     target = load_config(target_dir)
     cfg = load_dspark_config(draft_dir, target)
     model = DsparkDrafter(cfg)
@@ -307,6 +308,12 @@ def load_dspark_drafter(draft_dir: str | Path, target_dir: str | Path) -> Dspark
             raise DsparkError(f"{draft_dir}: tensor {key!r} has shape {tuple(state[key].shape)}, "
                               f"config.json implies {tuple(expected[key].shape)}")
     model.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
-    return model.float().eval()
+    if dtype == "fp32":
+        return model.float().eval()
+    from dspark_trt.models.checkpoint import torch_dtype
+
+    model = model.to(torch_dtype(dtype))
+    model.inv_freq = rope_inv_freq(cfg.layers)
+    return model.eval()
 
 

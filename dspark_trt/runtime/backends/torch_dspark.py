@@ -19,17 +19,13 @@ FLOAT_INPUTS = {"aux_hidden"}  # in the modules' dtype, like the KV entries
 
 def load_dspark_modules(manifest: dict, device):
     """(target step, {graph: module}) in manifest["model"]["dtype"], on device."""
-    from dspark_trt.exporter.dspark_export import (DsparkContextGraph, DsparkDraftGraph, DsparkTargetStep,
-                                                   with_dtype)
-    from dspark_trt.models.checkpoint import load_decoder, torch_dtype
-    from dspark_trt.models.decoder import rope_inv_freq
+    from dspark_trt.exporter.dspark_export import DsparkContextGraph, DsparkDraftGraph, DsparkTargetStep
+    from dspark_trt.models.checkpoint import load_decoder
     from dspark_trt.models.dspark_drafter import load_dspark_drafter
 
     src, dtype = manifest["sources"], manifest["model"]["dtype"]
     target = load_decoder(src["target"], dtype)
-    drafter = load_dspark_drafter(src["draft"], src["target"])
-    if dtype != "fp32":
-        drafter = with_dtype(drafter, torch_dtype(dtype), rope_inv_freq(drafter.cfg.layers))
+    drafter = load_dspark_drafter(src["draft"], src["target"], dtype)
     step = DsparkTargetStep(target, drafter.cfg.aux_layers).eval().to(device)
     graphs = {DSPARK_CONTEXT_GRAPH: DsparkContextGraph(drafter), "draft": DsparkDraftGraph(drafter),
               DSPARK_SAMPLE_GRAPH: DsparkDraftGraph(drafter, sample=True)}
