@@ -70,7 +70,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
         written = export_target_with_aux(target, cfg.aux_layers, tmp / TARGET_FILE, num_slots=max_batch,
                                          external_data=external_data)
         fused = ort_flavour == "fused"
-        target_ort = ort_file(TARGET_FILE.removesuffix(".onnx"))
+        target_ort = ort_file(Path(TARGET_FILE).stem)
         if fused:
             written += export_target_with_aux(target, cfg.aux_layers, tmp / target_ort, num_slots=max_batch,
                                               ort_fused_positions=max_context, external_data=external_data)

@@ -159,7 +159,7 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
 
         blocks["_ort"] = FusedDsparkBlock(drafter, ort_fused_positions + cfg.query_len).eval()
     for suffix, block in blocks.items():
-        paths["draft" + suffix] = out_dir / ort_variant(DRAFT_FILE, suffix)
+        paths["draft" + suffix] = out_dir / flavour_file(DRAFT_FILE, block)
         _export(DsparkDraftGraph(drafter, temperatures, block=block), draft_args, DRAFT_INPUTS + past_names(layers),
                 DRAFT_OUTPUTS, shapes, paths["draft" + suffix], external_data)
     if sample:
@@ -167,16 +167,18 @@ def export_dspark(drafter: DsparkDrafter, out_dir: str | Path, num_slots: int,
         sample_args = draft_args[:3] + (torch.tensor([0.0, 0.7, 1.0][:ex_r]), torch.rand(ex_r, n)) + past
         shapes = ({0: r}, {0: r}, {0: r}, ({0: r}, {0: r}, *({0: p} for _ in range(2 * layers))))  # one vararg
         for suffix, block in blocks.items():
-            paths["sample" + suffix] = out_dir / ort_variant(SAMPLE_FILE, suffix)
+            paths["sample" + suffix] = out_dir / flavour_file(SAMPLE_FILE, block)
             _export(DsparkDraftGraph(drafter, temperatures, sample=True, block=block), sample_args,
                     DRAFT_INPUTS + SAMPLE_INPUTS + past_names(layers), DRAFT_OUTPUTS + ["draft_probs"], shapes,
                     paths["sample" + suffix], external_data)
     return paths
 
 
-def ort_variant(file: str, suffix: str) -> str:
-    """dspark_draft.onnx -> dspark_draft.ort.onnx for the ORT flavour (suffix "_ort"), else unchanged."""
-    return file.removesuffix(".onnx") + ".ort.onnx" if suffix else file
+def flavour_file(file: str, block) -> str:
+    """The standard graph's file, or (with a fused block) its ORT flavour's: exporter/ort_flavour.ort_file."""
+    from dspark_trt.exporter.ort_flavour import ort_file
+
+    return file if block is None else ort_file(Path(file).stem)
 
 
 # ------------------------------------------------------------------ the target graph with aux outputs
