@@ -44,22 +44,20 @@ class TorchBackend:
         self.artifact_dir = artifact_dir
         steps_manifest = dict(manifest, model=dict(manifest["model"], dtype=self.dtype))
         self.calls = Counter()
-        self._dspark = None
+        self.num_layers = {"target": manifest["model"]["num_layers"]}
+        self._manifest, self._dspark = steps_manifest, None
         if manifest["draft"].get("kind") == "dspark":  # its drafter's modules run in its drafter phase
             from dspark_trt.runtime.backends.torch_dspark import load_dspark_modules
 
             self.target, self._dspark = load_dspark_modules(steps_manifest, self.device)
-            self._manifest = steps_manifest
             self.has_greedy_draft = False
-            self.num_layers = {"target": manifest["model"]["num_layers"]}
-            self._float = next(self.target.parameters()).dtype
-            return
-        self.draft, self.target = (m.to(self.device) for m in build_steps(steps_manifest))
-        from dspark_trt.exporter.graphs import GreedyDraftStep
+        else:
+            from dspark_trt.exporter.graphs import GreedyDraftStep
 
-        self.draft_greedy = GreedyDraftStep(self.draft.decoder, self.draft.head, self.draft.temperatures).eval()
-        self.has_greedy_draft = True  # the modules themselves: no exported flavour needed
-        self.num_layers = {"draft": manifest["draft"]["num_layers"], "target": manifest["model"]["num_layers"]}
+            self.draft, self.target = (m.to(self.device) for m in build_steps(steps_manifest))
+            self.draft_greedy = GreedyDraftStep(self.draft.decoder, self.draft.head, self.draft.temperatures).eval()
+            self.has_greedy_draft = True  # the modules themselves: no exported flavour needed
+            self.num_layers["draft"] = manifest["draft"]["num_layers"]
         self._float = next(self.target.parameters()).dtype
 
     def _to_device(self, a: np.ndarray, kv: bool = False):
