@@ -8,6 +8,7 @@ import pytest
 from dspark_trt.runtime.costs.call_shape import CallShapeCost, features, fit_nonnegative, packed_shape
 from dspark_trt.runtime.costs.table import CostTable
 from dspark_trt.runtime.solver import cap_depth
+from dspark_trt.runtime.tuning import DriftTuning
 
 # Roughly what the tiny pair measures on this CPU: 6 ms a call, 0.3 ms a token, 0.3 ms per 100 past
 # positions per row, 0.2 ms per 1000 padded attention entries.
@@ -59,8 +60,8 @@ def test_drift_follows_a_uniform_slowdown_and_is_bounded():
     assert m.ms(64, 32, 2, 100) == pytest.approx(1.5 * base, rel=1e-3)
     assert m.ms(8, 8, 1, 50) / float(features(8, 8, 1, 50) @ MEASURED) == pytest.approx(1.5, rel=1e-3)
     for _ in range(300):
-        m.observe(64, 32, 2, 100, 100 * base)
-    assert m.ms(64, 32, 2, 100) == pytest.approx(4.0 * base, rel=1e-3)
+        m.observe(64, 32, 2, 100, 1000 * base)
+    assert m.ms(64, 32, 2, 100) == pytest.approx(DriftTuning.bound_high * base, rel=1e-3)
     m.observe(64, 32, 2, 100, float("nan"))  # ignored
     assert np.isfinite(m.ms(64, 32, 2, 100))
 

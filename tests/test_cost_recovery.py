@@ -94,6 +94,20 @@ def test_a_profile_3x_too_pessimistic_about_drafting_is_recovered_by_exploring(t
     assert rate(stuck) < 0.9 * rate(truth)
 
 
+@pytest.mark.parametrize("factor", [20.0, 1 / 20.0])
+def test_a_profile_20x_off_about_drafting_is_recovered_within_the_run(tiny_artifact, monkeypatch, truth, factor):
+    """Draft calls profiled 20x too dear (a profile measured under heavy load: adaptive plans no drafting)
+    or 20x too cheap: the correction is not capped short of the truth, so the tables learn the true draft
+    cost (from explorations, or from the drafting calls) and adaptive drafts again within the run. With
+    the correction capped at 4x, as it was, a 20x too dear profile never drafted again."""
+    result = run(tiny_artifact, monkeypatch, profile_draft=lambda r, t: factor * true_draft(r, t))
+    outs, _, log, drift, _ = result
+    assert drift["draft"]["global"] == pytest.approx(1 / factor, rel=0.15)
+    assert all(any(s["drafted"]) for s in full_steps(log, 0)[-24:])
+    assert rate(result) > (0.85 if factor > 1 else 0.95) * rate(truth)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in truth[0]]
+
+
 def test_a_profile_too_optimistic_about_drafting_is_corrected_by_its_own_calls(tiny_artifact, monkeypatch, truth):
     """Draft calls profiled 3x too cheap: adaptive drafts deep at first; the drafting calls it observes
     teach the tables the true cost, and it settles where the true costs put it."""
@@ -144,7 +158,7 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_the_tables_
         for _ in range(steps):
             c = s.due(16, 10.0, 5.0)
             if c is not None:
-                s.settle(16, c, 5.0, c, confirmed)  # it cost what was charged
+                s.settle(16, c, 5.0, c, confirmed, 0.0)  # it cost what was charged
             due.append(c)
         return s, due
 
@@ -169,7 +183,21 @@ def test_an_exploration_that_cost_more_than_modelled_is_paid_back_before_the_nex
     s = ExplorationSchedule(0.1)
     steps = [s.due(16, 10.0, 5.0) for _ in range(5)]
     assert steps == [None] * 4 + [5.0]
-    s.settle(16, 5.0, 5.0, 15.0, True)  # 10 ms of catch-up after 5 steps: 2 ms per step of gap
+    s.settle(16, 5.0, 5.0, 15.0, True, 10.0)  # 10 ms of catch-up after 5 steps: 2 ms per step of gap
     assert s.report()[16]["catch_up_ms_per_step"] == pytest.approx(2.0)
     more = [s.due(16, 10.0, 5.0) for _ in range(200)]
     assert all(c is None for c in more)  # 2 ms per step of gap outgrows the ~0.7 ms a step earns
+
+
+def test_a_slow_exploring_step_is_paid_back_but_does_not_stop_exploring():
+    """An exploring step slowed by something else (20 ms beyond its model, its catch-up calls 0.5 ms) costs
+    its credit once; the catch-up rate comes from the catch-up calls, so exploring resumes once paid."""
+    from dspark_trt.runtime.phases.exploration import ExplorationSchedule
+
+    s = ExplorationSchedule(0.1)
+    steps = [s.due(16, 10.0, 5.0) for _ in range(5)]
+    s.settle(16, steps[-1], 5.0, 25.0, False, 0.5)
+    assert s.report()[16]["catch_up_ms_per_step"] == pytest.approx(0.1)
+    more = [s.due(16, 10.0, 5.0) for _ in range(200)]
+    assert any(c is not None for c in more[40:])
+

@@ -32,11 +32,15 @@ class DriftTuning:
     max_step: float = 0.06
     """Largest change of the log correction per observation: one 10x outlier cannot wreck the table."""
 
-    bound_low: float = 0.25
-    """Smallest correction factor applied to the profile."""
+    bound_low: float = 1 / 64
+    """Smallest correction factor applied to the profile. Wide on purpose: a profile measured under heavy
+    load can be 10-20x off, and a bound inside that leaves the runtime stuck on it for the whole run
+    (measured: draft calls profiled 20x too dear, bound 0.25, adaptive never drafted again). One outlier
+    cannot reach it: each observation moves the correction by at most max_step, and a jump needs
+    catch_up disagreeing calls in a row."""
 
-    bound_high: float = 4.0
-    """Largest correction factor applied to the profile."""
+    bound_high: float = 64.0
+    """Largest correction factor applied to the profile (see bound_low)."""
 
     residual_rate: float = 0.25
     """Learning rate of the per-size residual relative to the global term. Slower residuals keep the

@@ -45,7 +45,8 @@ class _Load:
 
 class ExplorationSchedule:
     """Call order: ``due(n_decode, plain_ms, explore_ms)`` on each step the model plans no drafting;
-    ``settle(n_decode, charged_ms, explore_ms, measured_extra_ms, confirmed)`` after a step that explored."""
+    ``settle(n_decode, charged_ms, explore_ms, measured_extra_ms, confirmed, catch_up_ms)`` after a step that
+    explored."""
 
     FLOOR = 0.1  # the share never falls below this fraction of explore_budget
 
@@ -81,15 +82,17 @@ class ExplorationSchedule:
         return cost
 
     def settle(self, n_decode: int, charged_ms: float, explore_ms: float, measured_extra_ms: float,
-               confirmed: bool) -> None:
+               confirmed: bool, catch_up_ms: float) -> None:
         """An exploration charged charged_ms (modelled at explore_ms before catch-up) measurably cost
-        measured_extra_ms beyond a plain step: the difference goes to the credit, and what it cost beyond
-        its model, per step of gap, is the catch-up rate expected next time. confirmed: the cost tables
-        predicted its draft call."""
+        measured_extra_ms beyond a plain step: the difference goes to the credit. catch_up_ms, the time
+        of its calls feeding the draft what it skipped, per step of gap, is the catch-up rate expected
+        next time. (Timed from those calls, not inferred from the step's wall time: one step slowed by
+        something else would otherwise set a rate that outgrows the credit and stop exploring for good.)
+        confirmed: the cost tables predicted its draft call."""
         load = self._load(n_decode)
         load.credit -= measured_extra_ms - charged_ms
         load.confirmed += bool(confirmed)
-        per_step = max(0.0, measured_extra_ms - max(explore_ms, 0.0)) / max(load.gap, 1)
+        per_step = max(0.0, catch_up_ms) / max(load.gap, 1)
         load.catch_up = per_step if load.count <= 1 else 0.5 * (load.catch_up + per_step)
         load.gap = 0
 
