@@ -326,12 +326,6 @@ def test_step_overhead_is_read_at_the_load_it_was_measured_at(tiny_artifact):
     overhead.observe("spec", 4, 1.5)
     assert overhead("spec", 4) == 1.5 and overhead("spec", 5) == 1.5
     assert overhead("spec", 48) == 9.0
-    # Before any step of a kind: drafting costs at least what a plain step does; a plain step is not
-    # priced like a drafting one (whose figure holds the new prompts fed through the draft).
-    only_spec, only_plain = OverheadByLoad(alpha=1.0), OverheadByLoad(alpha=1.0)
-    only_spec.observe("spec", 16, 10.0)
-    only_plain.observe("plain", 16, 0.5)
-    assert only_spec("plain", 16) == 0.0 and only_plain("spec", 16) == 0.5
 
 
 def test_every_observed_draft_call_is_fed_to_the_draft_drift_after_the_steps_drafting(tiny_artifact):

@@ -47,17 +47,13 @@ class OverheadByLoad:
         self.ms[key] = old + max(self.alpha, 1.0 / n) * (max(0.0, unpriced_ms) - old)
 
     def __call__(self, kind: str, n_decode: int) -> float:
-        """The figure at this load: its own, else the nearest load's of the same kind; before any step of
-        the kind, a drafting step's is the plain one's (drafting only adds work) and a plain step's is 0.
-        Not the drafting figure for plain steps: it holds new prompts fed through the draft, and at the
-        start of a burst that made a plain step look as dear as a drafting one (10.7 ms against 0.5
-        measured at 16 requests), so the first plans drafted where plain decoding was faster."""
+        """The figure at this load: its own, else the nearest load's of the same kind, else the other
+        kind's (0 before any step)."""
+        if not self.ms:
+            return 0.0
         b = load_bucket(n_decode)
         own = self.ms.get((kind, b))
         if own is not None:
             return own
-        for k in (kind, "plain") if kind == "spec" else (kind,):
-            keys = [x for x in self.ms if x[0] == k]
-            if keys:
-                return self.ms[min(keys, key=lambda x: (abs(x[1] - b), x[1]))]
-        return 0.0
+        key = min(self.ms, key=lambda k: (k[0] != kind, abs(k[1] - b), k[1]))
+        return self.ms[key]
