@@ -158,7 +158,7 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_the_tables_
         for _ in range(steps):
             c = s.due(16, 10.0, 5.0)
             if c is not None:
-                s.settle(16, c, 5.0, c, confirmed, 0.0)  # it cost what was charged
+                s.settle(16, c, c, confirmed, 0.0)  # it cost what was charged
             due.append(c)
         return s, due
 
@@ -183,7 +183,7 @@ def test_an_exploration_that_cost_more_than_modelled_is_paid_back_before_the_nex
     s = ExplorationSchedule(0.1)
     steps = [s.due(16, 10.0, 5.0) for _ in range(5)]
     assert steps == [None] * 4 + [5.0]
-    s.settle(16, 5.0, 5.0, 15.0, True, 10.0)  # 10 ms of catch-up after 5 steps: 2 ms per step of gap
+    s.settle(16, 5.0, 15.0, True, 10.0)  # 10 ms of catch-up after 5 steps: 2 ms per step of gap
     assert s.report()[16]["catch_up_ms_per_step"] == pytest.approx(2.0)
     more = [s.due(16, 10.0, 5.0) for _ in range(200)]
     assert all(c is None for c in more)  # 2 ms per step of gap outgrows the ~0.7 ms a step earns
@@ -196,7 +196,7 @@ def test_a_slow_exploring_step_is_paid_back_but_does_not_stop_exploring():
 
     s = ExplorationSchedule(0.1)
     steps = [s.due(16, 10.0, 5.0) for _ in range(5)]
-    s.settle(16, steps[-1], 5.0, 25.0, False, 0.5)
+    s.settle(16, steps[-1], 25.0, False, 0.5)
     assert s.report()[16]["catch_up_ms_per_step"] == pytest.approx(0.1)
     more = [s.due(16, 10.0, 5.0) for _ in range(200)]
     assert any(c is not None for c in more[40:])

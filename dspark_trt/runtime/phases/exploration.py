@@ -45,8 +45,7 @@ class _Load:
 
 class ExplorationSchedule:
     """Call order: ``due(n_decode, plain_ms, explore_ms)`` on each step the model plans no drafting;
-    ``settle(n_decode, charged_ms, explore_ms, measured_extra_ms, confirmed, catch_up_ms)`` after a step that
-    explored."""
+    ``settle(n_decode, charged_ms, measured_extra_ms, confirmed, catch_up_ms)`` after a step that explored."""
 
     FLOOR = 0.1  # the share never falls below this fraction of explore_budget
 
@@ -81,9 +80,9 @@ class ExplorationSchedule:
         load.count += 1
         return cost
 
-    def settle(self, n_decode: int, charged_ms: float, explore_ms: float, measured_extra_ms: float,
-               confirmed: bool, catch_up_ms: float) -> None:
-        """An exploration charged charged_ms (modelled at explore_ms before catch-up) measurably cost
+    def settle(self, n_decode: int, charged_ms: float, measured_extra_ms: float, confirmed: bool,
+               catch_up_ms: float) -> None:
+        """An exploration charged charged_ms (its modelled cost, catch-up included) measurably cost
         measured_extra_ms beyond a plain step: the difference goes to the credit. catch_up_ms, the time
         of its calls feeding the draft what it skipped, per step of gap, is the catch-up rate expected
         next time. (Timed from those calls, not inferred from the step's wall time: one step slowed by
