@@ -132,8 +132,7 @@ def test_a_flat_verify_profile_is_corrected_by_its_own_calls(tiny_artifact, monk
 
 def test_where_drafting_truly_does_not_pay_exploring_costs_at_most_its_budget(tiny_artifact, monkeypatch):
     """Draft calls truly cost 20 ms and the profile says so: adaptive does not draft, and exploring costs at
-    most explore_budget of the run's time. (Here one exploration finds that the draft catching up on the
-    text it skipped costs more per step than the budget earns, so it does not explore again.)"""
+    most explore_budget of the run's time, the draft catching up on what it skipped included."""
     dear = dict(draft=lambda r, t: 20.0 + true_draft(r, t))
     dear["profile_draft"] = dear["draft"]
     budget = RuntimeTuning().explore_budget
@@ -158,7 +157,7 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_the_tables_
         for _ in range(steps):
             c = s.due(16, 10.0, 5.0)
             if c is not None:
-                s.settle(16, c, c, confirmed, 0.0)  # it cost what was charged
+                s.settle(16, c, c, confirmed)  # it cost what was charged
             due.append(c)
         return s, due
 
@@ -175,29 +174,54 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_the_tables_
     assert s.share(16) == budget and len({int(g) for g in np.diff([i for i, c in enumerate(due) if c])}) == 1
 
 
-def test_an_exploration_that_cost_more_than_modelled_is_paid_back_before_the_next():
-    """What an exploration measurably cost is settled against the credit, and the part beyond its model
-    (the draft catching up on the steps it skipped) is expected again, per step of gap, next time."""
+def test_an_exploration_is_due_only_once_the_credit_covers_its_catch_up_too():
+    """Exploring first feeds the draft what it has not seen (16 requests' prompts at the start of a burst
+    cost five plain steps once): the schedule waits until the credit covers that as well, and asks for the
+    catch-up estimate only once the rest is covered (it sums over the requests)."""
     from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 
-    s = ExplorationSchedule(0.1)
-    steps = [s.due(16, 10.0, 5.0) for _ in range(5)]
-    assert steps == [None] * 4 + [5.0]
-    s.settle(16, 5.0, 15.0, True, 10.0)  # 10 ms of catch-up after 5 steps: 2 ms per step of gap
-    assert s.report()[16]["catch_up_ms_per_step"] == pytest.approx(2.0)
-    more = [s.due(16, 10.0, 5.0) for _ in range(200)]
-    assert all(c is None for c in more)  # 2 ms per step of gap outgrows the ~0.7 ms a step earns
+    asked = []
+
+    def catch_up():
+        asked.append(1)
+        return 20.0
+
+    s = ExplorationSchedule(0.1)  # 1 ms of credit a 10 ms plain step
+    due = [s.due(16, 10.0, 5.0, catch_up) for _ in range(25)]
+    assert due == [None] * 24 + [25.0]
+    assert len(asked) == 25 - 4  # from the step the credit covered the 5 ms
 
 
-def test_a_slow_exploring_step_is_paid_back_but_does_not_stop_exploring():
-    """An exploring step slowed by something else (20 ms beyond its model, its catch-up calls 0.5 ms) costs
-    its credit once; the catch-up rate comes from the catch-up calls, so exploring resumes once paid."""
+def test_an_exploration_that_cost_more_than_charged_is_paid_back_before_the_next():
+    """What an exploration measurably cost beyond its charge is taken from the credit: one slowed by
+    something else (20 ms over) delays the next exploration by what it overran, and no more."""
     from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 
-    s = ExplorationSchedule(0.1)
-    steps = [s.due(16, 10.0, 5.0) for _ in range(5)]
-    s.settle(16, steps[-1], 25.0, False, 0.5)
-    assert s.report()[16]["catch_up_ms_per_step"] == pytest.approx(0.1)
-    more = [s.due(16, 10.0, 5.0) for _ in range(200)]
-    assert any(c is not None for c in more[40:])
+    def gaps(overrun: float) -> list[int]:
+        s = ExplorationSchedule(0.1)
+        due = []
+        for _ in range(60):
+            c = s.due(16, 10.0, 5.0)
+            if c is not None:
+                s.settle(16, c, c + (overrun if not any(due) else 0.0), False)
+            due.append(c)
+        return np.diff([-1] + [i for i, c in enumerate(due) if c is not None]).tolist()
+
+    assert gaps(0.0)[:3] == [5, 5, 5]
+    assert gaps(20.0)[:3] == [5, 25, 5]
+
+
+def test_the_catch_up_rate_is_weighed_by_tokens():
+    """A catch-up of 960 prompt tokens is priced at what large catch-up calls cost per token: the fixed
+    cost of a small call (0.5 ms for 2 tokens) does not set the rate, and the rate follows the machine."""
+    from dspark_trt.runtime.costs.catch_up import CatchUpRate
+
+    rate = CatchUpRate()
+    assert rate.ms(960) == 0.0  # nothing timed yet: the first catch-up finds out
+    rate.observe(480, 12.0)
+    rate.observe(2, 0.5)
+    assert rate.ms(960) == pytest.approx(24.0, rel=0.1)  # a mean of per-call rates: 0.14 ms a token, 131 ms
+    for _ in range(20):
+        rate.observe(480, 24.0)  # the machine got twice as slow
+    assert rate.ms(960) == pytest.approx(48.0, rel=0.02)
 

@@ -316,7 +316,7 @@ def test_step_overhead_is_read_at_the_load_it_was_measured_at(tiny_artifact):
     must not price drafting at 4 when 4 has a figure of its own; without one, the nearest load's."""
     from dspark_trt.runtime.costs.overhead import OverheadByLoad
 
-    overhead = OverheadByLoad(alpha=1.0)  # each observation replaces the figure: the test sets them
+    overhead = OverheadByLoad(window=1)  # each observation replaces the figure: the test sets them
     assert overhead("spec", 4) == 0.0  # nothing measured yet
     for kind, n, ms in (("spec", 64, 9.0), ("plain", 64, 3.0), ("plain", 4, 0.5)):
         overhead.observe(kind, n, ms)

@@ -87,7 +87,7 @@ class Runtime:
         make_cache = getattr(backend, "make_kv_cache", None) or KVCache
         self.target_kv = make_cache(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
         self.metrics = Metrics(self.max_draft)
-        self.costs = Costs(self.max_tokens_per_step, self.max_draft, t.overhead_alpha)
+        self.costs = Costs(self.max_tokens_per_step, self.max_draft, t.overhead_window)
         self.costs.table = cost_table
         # The running survival profile and the stale rows that keep sampling lossless (controller.py).
         self.controller = AdaptiveController(prior_decay=t.prior_decay, prior_acceptance=t.prior_acceptance)
@@ -101,7 +101,8 @@ class Runtime:
         self.drafter_kind = d.get("kind", "classic")
         self.draft_kv = None  # the classic draft's KV cache (a DSpark drafter keeps its own context cache)
         self.drafter = self._make_drafter(make_cache, kv_dtype)
-        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, sequential=self.drafter.sequential)
+        self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, self.drafter.sequential,
+                                          self.drafter.catch_up_ms)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
                                  self.costs, self.metrics)

@@ -189,9 +189,10 @@ class RuntimeTuning:
     arrivals_alpha: float = 0.1
     """Weight of one step in the recent prompts admitted per step (prefill batching)."""
 
-    overhead_alpha: float = 0.05
-    """Weight of one step in the unpriced step overhead by load (costs/overhead.py); the first 1/alpha
-    steps of a kind and load are a plain mean, so one slow first step does not dominate for long."""
+    overhead_window: int = 15
+    """Steps of a kind and load whose median unpriced time is the step overhead (costs/overhead.py): more
+    follows a change of load or machine more slowly, fewer lets a few slow steps (a collection, the OS)
+    move the figure the draft-depth planner reads."""
 
     max_verify_tokens: int = 0
     """Most tokens one step may verify over all decode requests (each request's next token plus its
@@ -256,7 +257,7 @@ class RuntimeTuning:
 
 
 _SUBS = {"drift": DriftTuning, "correction": CorrectionTuning, "profile": ProfileTuning}
-_FRACTIONS = {"alpha", "forget", "rate_alpha", "arrivals_alpha", "overhead_alpha",
+_FRACTIONS = {"alpha", "forget", "rate_alpha", "arrivals_alpha",
               "prior_acceptance", "prior_decay", "residual_rate", "shape_alpha", "bound_low"}
 
 

@@ -21,10 +21,10 @@ __all__ = ["Costs", "StepCost"]
 
 
 class Costs:
-    def __init__(self, max_tokens_per_step: int, max_draft: int, overhead_alpha: float = RuntimeTuning.overhead_alpha):
+    def __init__(self, max_tokens_per_step: int, max_draft: int, overhead_window: int = RuntimeTuning.overhead_window):
         self.max_tokens_per_step, self.max_draft = max_tokens_per_step, max_draft
         self.table = None  # CostTable | None
-        self.overhead = OverheadByLoad(overhead_alpha)
+        self.overhead = OverheadByLoad(overhead_window)
         self.rate = 0.0  # recent output tokens per ms of step time (EW)
         self.tau_row = 0.0  # recent tokens a decoding request emits per step (EW)
         self.break_even = 0.0  # break-even (corrected) survival of the last solve

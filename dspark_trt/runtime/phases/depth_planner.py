@@ -41,20 +41,27 @@ class _CachedPlan(NamedTuple):
 class DepthPlanner:
     """Call order: ``plan(batch, cost)`` once per step (``plan_for`` with explicit counts)."""
 
-    def __init__(self, max_draft: int, tuning, controller, sequential: bool = True):
-        """sequential: a depth of j costs j draft calls (classic drafter); else one call at any depth (DSpark)."""
+    def __init__(self, max_draft: int, tuning, controller, sequential: bool = True, catch_up_ms=None):
+        """sequential: a depth of j costs j draft calls (classic drafter); else one call at any depth (DSpark).
+        catch_up_ms: the drafter's modelled ms of catching up a list of requests (what exploring them costs
+        before their draft call); None: nothing."""
         self.max_draft, self.tuning, self.controller = max_draft, tuning, controller
-        self.sequential = sequential
+        self.sequential, self.catch_up_ms = sequential, catch_up_ms
         self._cache: dict[tuple[int, int], _CachedPlan] = {}
         self.exploration = ExplorationSchedule(tuning.explore_budget)
 
     def plan(self, batch, cost) -> DepthPlan:
         if not batch.n_adaptive:
             return DepthPlan(self.max_draft)
-        return self.plan_for(batch.n_adaptive, len(batch.decode), cost)
+        catch_up = None
+        if self.catch_up_ms is not None:
+            def catch_up() -> float:
+                return self.catch_up_ms([r for r in batch.decode if r.mode.kind == "adaptive"])
+        return self.plan_for(batch.n_adaptive, len(batch.decode), cost, catch_up)
 
-    def plan_for(self, n_adaptive: int, n_decode: int, cost) -> DepthPlan:
-        """The plan for n_adaptive adaptive requests among n_decode decoding ones."""
+    def plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up=None) -> DepthPlan:
+        """The plan for n_adaptive adaptive requests among n_decode decoding ones; catch_up: a function
+        giving the modelled ms of the draft catching them up, asked only when an exploration is near."""
         if cost.table is None:
             return DepthPlan(self.max_draft)
         key = (n_adaptive, n_decode)
@@ -66,7 +73,7 @@ class DepthPlanner:
         if best == 0:
             # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
             # plan (at most plan_every steps on) reads what it observed.
-            charged = self.exploration.due(n_decode, cached.plain_ms, cached.explore_ms)
+            charged = self.exploration.due(n_decode, cached.plain_ms, cached.explore_ms, catch_up or 0.0)
             if charged is not None:
                 self._cache.pop(key)
                 return DepthPlan(1, True, cached.explore_ms, cached.plain_ms, charged)

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dspark_trt.runtime.batch import pack_queries, token_slots
+from dspark_trt.runtime.costs.catch_up import CatchUpRate
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
@@ -41,6 +42,7 @@ class DraftRound(NamedTuple):
     engine_ms: float  # engine time of all draft calls (catch-up included)
     priced_ms: float  # full time of the drafting calls the cost tables price (feeds, engine, KV write)
     switch_ms: float  # time feeding the draft text generated while it did not draft (a switch's cost)
+    prompt_ms: float = 0.0  # time feeding the draft new prompts (once per request that drafts, not per step)
 
 
 class Drafter:
@@ -59,6 +61,7 @@ class Drafter:
         self.controller, self.correction, self.costs, self.metrics = controller, correction, costs, metrics
         self._priced_ms = 0.0
         self._timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), fed back after drafting
+        self.catch_up_rate = CatchUpRate()
 
     def cap(self, r: Request, depth: int) -> int:
         """Most tokens request r drafts this step."""
@@ -73,6 +76,11 @@ class Drafter:
 
     def observe(self, batch, result) -> None:
         """After commit: nothing to do, the classic draft catches up on committed tokens when it drafts."""
+
+    def catch_up_ms(self, reqs) -> float:
+        """Modelled ms of feeding the draft what `reqs` hold that it has not seen, but for the one token a
+        request feeds in its drafting call."""
+        return self.catch_up_rate.ms(sum(max(0, len(r.tokens) - r.draft_len - 1) for r in reqs))
 
     def prepare_call(self, batch: int, past: int):
         """A zero-argument function making one drafting call of `batch` rows at `past` cached tokens
@@ -91,7 +99,7 @@ class Drafter:
         """Catch the draft up, then draft for `reqs` (up to `depth` tokens for adaptive ones)."""
         self._priced_ms = 0.0
         caps = {r.id: self.cap(r, depth) for r in reqs}
-        engine_ms, switch_ms = self._catch_up(reqs)
+        engine_ms, switch_ms, prompt_ms = self._catch_up(reqs)
         toks = {r.id: [] for r in reqs}
         probs = {r.id: [] for r in reqs}
         surv = {r.id: [] for r in reqs}
@@ -148,17 +156,18 @@ class Drafter:
                for r in reqs}
         for r in reqs:
             r.stats.drafted_tokens += len(toks[r.id])
-        return DraftRound(out, engine_ms, self._priced_ms, switch_ms)
+        return DraftRound(out, engine_ms, self._priced_ms, switch_ms, prompt_ms)
 
-    def _catch_up(self, reqs: list[Request]) -> tuple[float, float]:
-        """Feed tokens the draft has not seen; returns (engine ms, ms of it that is a switch's cost).
+    def _catch_up(self, reqs: list[Request]) -> tuple[float, float, float]:
+        """Feed tokens the draft has not seen; returns (engine ms, ms of it that is a switch's cost, ms of
+        it that is new prompts).
 
         A drafting step itself catches up at most max_draft + 1 tokens a request; anything longer (a
         prompt, the text generated while the request did not draft) is fed first, in calls of only the
         requests that are that far behind: in the drafting call every row would be padded to it
         (models/decoder.py), which costs far more than the extra call of the small draft model."""
         limit = self.max_draft + 1
-        engine_ms = switch_ms = 0.0
+        engine_ms = switch_ms = prompt_ms = 0.0
         while True:
             behind = {r.id: len(r.tokens) - r.draft_len for r in reqs}
             far = [r for r in reqs if behind[r.id] > limit]
@@ -177,15 +186,18 @@ class Drafter:
             _, ms = self.run_draft([r for r, _ in group], qs, [1.0] * len(group), [0] * len(group), observe=False,
                                    need_probs=False)
             engine_ms += ms
-            # New prompts must reach the draft in any drafting regime: that share of the call stays in the
-            # step overhead the planner charges to drafting. Requests that decoded a while without drafting
-            # are the price of switching into drafting, paid once, not the steady state the
-            # planner models.
-            switch = sum(c for r, c in group if r.stats.steps > 1)
-            switch_ms += (time.perf_counter() - t) * 1e3 * switch / sum(c for _, c in group)
+            # Neither share is the steady state the planner models, so both stay out of the step overhead:
+            # a new prompt is paid once by each request that drafts at all (a burst of arrivals made the
+            # first drafting steps look 20x dearer than they are), the text generated while a request did
+            # not draft once per switch into drafting.
+            fed = sum(c for _, c in group)
+            ms = (time.perf_counter() - t) * 1e3
+            self.catch_up_rate.observe(fed, ms)
+            switch_ms += ms * sum(c for r, c in group if r.stats.steps > 1) / fed
+            prompt_ms += ms * sum(c for r, c in group if r.stats.steps <= 1) / fed
             for r, c in group:
                 r.draft_len += c
-        return engine_ms, switch_ms
+        return engine_ms, switch_ms, prompt_ms
 
     def keep_drafting(self, reqs: list[Request], corrected: dict, drafted: int, test_call: bool = True) -> set:
         """Adaptive requests worth another draft step, by marginal value.

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from dspark_trt.manifest_schema import DSPARK_SAMPLE_GRAPH
+from dspark_trt.runtime.costs.catch_up import CatchUpRate
 from dspark_trt.runtime.phases.drafter import Draft, DraftRound, draft_room
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.config import fixed_k_limit
@@ -43,6 +44,7 @@ class DsparkDrafter:
         self._pending: dict[int, list[tuple[np.ndarray, int]]] = {}  # slot -> verified aux rows not yet in the cache
         self.pending_bytes = 0
         self.pending_limit = PENDING_BYTES
+        self.catch_up_rate = CatchUpRate()
 
     def refusal(self, config, mode) -> str | None:
         """Why a request cannot run (checked at submit), or None: a sampled request that may draft needs
@@ -65,10 +67,15 @@ class DsparkDrafter:
         # The rows verified since a slot last drafted enter its context first. More than one step's worth
         # (a request that decoded a while without drafting, an exploration) is the price of switching into
         # drafting: timed apart, as the classic drafter's catch-up, and not part of the block pass's cost.
-        behind = max((sum(a.shape[0] for a, _ in self._pending.get(r.slot, ())) for r in spec), default=0)
+        # A new request's prompt is paid once by each request that drafts, not per step: timed apart too.
+        behind = {r.id: sum(a.shape[0] for a, _ in self._pending.get(r.slot, ())) for r in spec}
         self._flush([r.slot for r in spec])
         flush_ms = (time.perf_counter() - t0) * 1e3
-        switch_ms = flush_ms if behind > self.max_draft + 1 else 0.0
+        rows = sum(behind.values())
+        self.catch_up_rate.observe(rows, flush_ms)
+        prompt_ms = flush_ms * sum(behind[r.id] for r in spec if r.stats.steps <= 1) / rows if rows else 0.0
+        far = max((behind[r.id] for r in spec if r.stats.steps > 1), default=0) > self.max_draft + 1
+        switch_ms = flush_ms - prompt_ms if far else 0.0
         out, engine_ms = {}, flush_ms
         greedy = [r for r in spec if not r.sampling]
         sampled = [r for r in spec if r.sampling]
@@ -88,11 +95,11 @@ class DsparkDrafter:
                                   corrected[i, :n].tolist())
                 r.draft_rounds += 1
                 r.stats.drafted_tokens += n
-        full = (time.perf_counter() - t0) * 1e3 - switch_ms
+        full = (time.perf_counter() - t0) * 1e3 - switch_ms - prompt_ms
         table = self.costs.table
         if table is not None and self.costs.observing:
             table.observe_draft(len(spec), full)
-        return DraftRound(out, engine_ms, full, switch_ms)
+        return DraftRound(out, engine_ms, full, switch_ms, prompt_ms)
 
     def _block(self, reqs: list[Request]):
         """One block pass (their context flushed); anchors are the requests' last tokens, at position context
@@ -149,6 +156,10 @@ class DsparkDrafter:
         if queue:
             self.pending_bytes -= sum(a.nbytes for a, _ in queue)
         return queue
+
+    def catch_up_ms(self, reqs) -> float:
+        """Modelled ms of writing the rows `reqs` have waiting into the draft's context."""
+        return self.catch_up_rate.ms(sum(a.shape[0] for r in reqs for a, _ in self._pending.get(r.slot, ())))
 
     def _flush(self, slots) -> None:
         """Write the waiting rows of `slots` into the context cache (one context-graph call)."""

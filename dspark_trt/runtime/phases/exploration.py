@@ -10,10 +10,11 @@ what they learned.
 The schedule is a budget, not a period: every step the model plans no drafting earns a share of its
 modelled step time as credit (per load bucket), and an exploration runs once the credit covers what it
 is expected to cost: its modelled extra time (one draft call, one more verified token a request, a
-drafting step's overhead) plus the draft catching up on the text generated since the last exploration,
-at the rate the last explorations measured (per step of gap; the first one finds out). Once it ran, what
-it measurably cost beyond a plain step is settled against the credit. So exploring costs at most that
-share of plain steps' time, bar the first exploration's catch-up, and stops where even its catch-up
+drafting step's overhead) plus the draft catching up on what it has not seen (the requests' prompts and
+the text generated since it last drafted), at the rate the drafter's catch-up calls measured (the first
+one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit.
+So exploring costs at most that share of plain steps' time, bar the first catch-up ever timed, and stops
+where even its catch-up cannot fit. The share starts at
 cannot fit. The share starts at
 ``explore_budget`` and falls as 1/sqrt(1 + n), n the explorations at the load whose draft call the cost
 tables predicted (the uncertainty of a mean of n confirming observations; an exploration that finds the
@@ -33,19 +34,17 @@ __all__ = ["ExplorationSchedule"]
 
 
 class _Load:
-    __slots__ = ("credit", "count", "confirmed", "gap", "catch_up")
+    __slots__ = ("credit", "count", "confirmed")
 
     def __init__(self):
         self.credit = 0.0  # ms exploration may still spend
         self.count = 0  # explorations so far
         self.confirmed = 0  # explorations whose measured cost agreed with the model
-        self.gap = 0  # steps without drafting since the last exploration
-        self.catch_up = 0.0  # measured ms per step of gap beyond the modelled cost (the draft catching up)
 
 
 class ExplorationSchedule:
-    """Call order: ``due(n_decode, plain_ms, explore_ms)`` on each step the model plans no drafting;
-    ``settle(n_decode, charged_ms, measured_extra_ms, confirmed, catch_up_ms)`` after a step that explored."""
+    """Call order: ``due(n_decode, plain_ms, explore_ms, catch_up_ms)`` on each step the model plans no
+    drafting; ``settle(n_decode, charged_ms, measured_extra_ms, confirmed)`` after a step that explored."""
 
     FLOOR = 0.1  # the share never falls below this fraction of explore_budget
 
@@ -65,37 +64,35 @@ class ExplorationSchedule:
         n = self._load(n_decode).confirmed
         return self.budget * max(self.FLOOR, 1.0 / math.sqrt(1.0 + n))
 
-    def due(self, n_decode: int, plain_ms: float, explore_ms: float) -> float | None:
+    def due(self, n_decode: int, plain_ms: float, explore_ms: float, catch_up_ms=0.0) -> float | None:
         """Whether this step explores: plain_ms, the modelled ms of this step without drafting; explore_ms,
-        the modelled extra ms of exploring. Returns the ms charged for it (None: not now)."""
+        the modelled extra ms of exploring; catch_up_ms, the modelled ms of the draft catching up first
+        (a number, or a function giving it: asked only once the credit covers explore_ms). Returns the ms
+        charged for it (None: not now)."""
         if self.budget <= 0:
             return None
         load = self._load(n_decode)
         load.credit += self.share(n_decode) * max(plain_ms, 0.0)
-        load.gap += 1
-        cost = max(explore_ms, 0.0) + load.catch_up * load.gap
+        cost = max(explore_ms, 0.0)
         if load.credit < cost:
             return None
-        load.credit -= cost
+        cost += max(0.0, catch_up_ms() if callable(catch_up_ms) else catch_up_ms)
+        if load.credit < cost:
+            return None
+        # Credit left over is dropped: saved up while the catch-up was dear (long histories), it would
+        # otherwise pay for a burst of explorations once it is cheap (new requests).
+        load.credit = min(0.0, load.credit - cost)
         load.count += 1
         return cost
 
-    def settle(self, n_decode: int, charged_ms: float, measured_extra_ms: float, confirmed: bool,
-               catch_up_ms: float) -> None:
+    def settle(self, n_decode: int, charged_ms: float, measured_extra_ms: float, confirmed: bool) -> None:
         """An exploration charged charged_ms (its modelled cost, catch-up included) measurably cost
-        measured_extra_ms beyond a plain step: the difference goes to the credit. catch_up_ms, the time
-        of its calls feeding the draft what it skipped, per step of gap, is the catch-up rate expected
-        next time. (Timed from those calls, not inferred from the step's wall time: one step slowed by
-        something else would otherwise set a rate that outgrows the credit and stop exploring for good.)
-        confirmed: the cost tables predicted its draft call."""
+        measured_extra_ms beyond a plain step: the difference goes to the credit. confirmed: the cost
+        tables predicted its draft call."""
         load = self._load(n_decode)
         load.credit -= measured_extra_ms - charged_ms
         load.confirmed += bool(confirmed)
-        per_step = max(0.0, catch_up_ms) / max(load.gap, 1)
-        load.catch_up = per_step if load.count <= 1 else 0.5 * (load.catch_up + per_step)
-        load.gap = 0
 
     def report(self) -> dict:
-        return {1 << b: {"explorations": x.count, "confirmed": x.confirmed, "credit_ms": round(x.credit, 3),
-                         "catch_up_ms_per_step": round(x.catch_up, 4)} for b, x in sorted(self._loads.items())
-                if x.count}
+        return {1 << b: {"explorations": x.count, "confirmed": x.confirmed, "credit_ms": round(x.credit, 3)}
+                for b, x in sorted(self._loads.items()) if x.count}
