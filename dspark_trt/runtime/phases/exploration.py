@@ -14,12 +14,12 @@ drafting step's overhead) plus the draft catching up on what it has not seen (th
 the text generated since it last drafted), at the rate the drafter's catch-up calls measured (the first
 one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit.
 So exploring costs at most that share of plain steps' time, bar the first catch-up ever timed, and stops
-where even its catch-up cannot fit. The share starts at
-cannot fit. The share starts at
-``explore_budget`` and falls as 1/sqrt(1 + n), n the explorations at the load whose draft call the cost
-tables predicted (the uncertainty of a mean of n confirming observations; an exploration that finds the
-tables wrong does not count, so exploring goes on at full share until they have caught up), down to a
-tenth of it, which keeps a machine that changes later from going unnoticed for good.
+where even its catch-up cannot fit; credit left over after an exploration is dropped, so savings never
+pay for a burst. The share starts at ``explore_budget`` and falls as 1/sqrt(1 + n), n the explorations
+at the load whose draft call the cost tables predicted (the uncertainty of a mean of n confirming
+observations; an exploration that finds the tables wrong does not count, so exploring goes on at full
+share until they have caught up), down to a tenth of it, which keeps a machine that changes later from
+going unnoticed for good.
 
 Lossless sampling is unaffected: whether a step explores depends only on earlier steps' timings.
 """
