@@ -161,7 +161,7 @@ class _Drift:
         self.h = np.zeros(self.NBUCKETS)  # per-bucket residual log factor
         self.n = np.zeros(self.NBUCKETS, dtype=np.int64)
         self._streak: list[float] = []  # global log factors the latest observations asked for, all far on one side
-        self.agreed = True  # the latest observation was within the catch-up band of the correction
+        self.cheaper = False  # the latest observation came out cheaper than the correction, beyond the band
 
     @property
     def active(self) -> bool:
@@ -199,8 +199,8 @@ class _Drift:
             return False
         gap = wanted - self.g
         streak = self._streak
-        self.agreed = abs(gap) <= self.catch_up_band
-        if self.agreed:
+        self.cheaper = gap < -self.catch_up_band
+        if abs(gap) <= self.catch_up_band:
             streak.clear()
             return False
         if streak and (streak[-1] > self.g) != (gap > 0):
@@ -359,9 +359,10 @@ class CostTable:
         """Feed back a measured draft step; returns False (and ignores it) if unusable."""
         return self._observe("draft", batch, ms)
 
-    def agreed(self, name: str) -> bool:
-        """Whether the latest observed "verify" or "draft" call came within refine_margin of the table."""
-        return self._drift[name].agreed
+    def cheaper(self, name: str) -> bool:
+        """Whether the latest observed "verify" or "draft" call came out cheaper than the table by more
+        than refine_margin."""
+        return self._drift[name].cheaper
 
     def drift(self) -> dict[str, dict]:
         """Current correction factors (predicted = profiled x factor), for "verify" and "draft":

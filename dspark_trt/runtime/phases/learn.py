@@ -79,6 +79,6 @@ class Learner:
             prefill_ms = (result.last_call_ms if result.calls > 1
                           else costs.prefill_share(result.query_lens, result.past_lens, nd))
             self.exploration.settle(nd, depth.charged_ms, wall_ms - prefill_ms - depth.plain_ms,
-                                    costs.table is None or costs.table.agreed("draft"))
+                                    costs.table is None or not costs.table.cheaper("draft"))
         unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.switch_ms - drafted.prompt_ms
         costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)
