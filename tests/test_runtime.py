@@ -407,6 +407,21 @@ def test_a_switch_into_drafting_is_not_charged_to_the_step_overhead(tiny_artifac
     assert spec_overhead and max(spec_overhead) <= wall - priced - switch + 1e-9
 
 
+def test_one_slow_step_does_not_move_the_step_overhead():
+    """Steps of 0.4 ms outside the priced calls and one of 16 ms (a collection, the OS): the figure the
+    depth planner reads stays 0.4 (a mean priced the next twenty plain steps at 1.8 ms, and the planner
+    drafted at 16 requests where plain decoding was faster); a lasting change moves it within the window."""
+    from dspark_trt.runtime.costs.overhead import OverheadByLoad
+
+    overhead = OverheadByLoad(window=15)
+    for ms in [0.4] * 11 + [16.0] + [0.4] * 4:
+        overhead.observe("plain", 16, ms)
+    assert overhead("plain", 16) == pytest.approx(0.4)
+    for _ in range(8):
+        overhead.observe("plain", 16, 2.0)  # the machine got busier
+    assert overhead("plain", 16) == pytest.approx(2.0)
+
+
 def test_the_break_even_survival_shares_a_layers_padding_jump_across_the_layer():
     """Eight rows verifying one draft each sit at a layer's end: one more draft on any row pads all eight
     rows a token deeper (a 5 ms jump), which a whole layer of drafts shares. Charging the jump to a few

@@ -53,11 +53,10 @@ class DepthPlanner:
     def plan(self, batch, cost) -> DepthPlan:
         if not batch.n_adaptive:
             return DepthPlan(self.max_draft)
-        catch_up = None
-        if self.catch_up_ms is not None:
-            def catch_up() -> float:
-                return self.catch_up_ms([r for r in batch.decode if r.mode.kind == "adaptive"])
-        return self.plan_for(batch.n_adaptive, len(batch.decode), cost, catch_up)
+        def catch_up() -> float:
+            return self.catch_up_ms([r for r in batch.decode if r.mode.kind == "adaptive"])
+        return self.plan_for(batch.n_adaptive, len(batch.decode), cost,
+                             catch_up if self.catch_up_ms is not None else None)
 
     def plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up=None) -> DepthPlan:
         """The plan for n_adaptive adaptive requests among n_decode decoding ones; catch_up: a function
