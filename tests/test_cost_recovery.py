@@ -146,7 +146,7 @@ def test_where_drafting_truly_does_not_pay_exploring_costs_at_most_its_budget(ti
 
 # ----------------------------------------------------------------------------------- the schedule alone
 
-def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_the_tables_are_confirmed():
+def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_explorations_confirm_the_plan():
     from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 
     budget = 0.1
@@ -169,7 +169,7 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_the_tables_
     assert gaps[0] < gaps[-1] <= 10 * gaps[0]  # the share falls with confirmations, to a tenth at most
     assert s.share(16) == pytest.approx(budget * ExplorationSchedule.FLOOR)
     assert s.due(1, 10.0, 5.0) is None  # every load bucket earns its own credit
-    # Explorations that find the tables wrong do not count: exploring goes on at the full share.
+    # Explorations where drafting paid do not count: exploring goes on at the full share.
     s, due = drive(False, 2000)
     assert s.share(16) == budget and len({int(g) for g in np.diff([i for i, c in enumerate(due) if c])}) == 1
 

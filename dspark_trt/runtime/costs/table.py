@@ -161,7 +161,6 @@ class _Drift:
         self.h = np.zeros(self.NBUCKETS)  # per-bucket residual log factor
         self.n = np.zeros(self.NBUCKETS, dtype=np.int64)
         self._streak: list[float] = []  # global log factors the latest observations asked for, all far on one side
-        self.cheaper = False  # the latest observation came out cheaper than the correction, beyond the band
 
     @property
     def active(self) -> bool:
@@ -199,7 +198,6 @@ class _Drift:
             return False
         gap = wanted - self.g
         streak = self._streak
-        self.cheaper = gap < -self.catch_up_band
         if abs(gap) <= self.catch_up_band:
             streak.clear()
             return False
@@ -358,11 +356,6 @@ class CostTable:
     def observe_draft(self, batch: int, ms: float) -> bool:
         """Feed back a measured draft step; returns False (and ignores it) if unusable."""
         return self._observe("draft", batch, ms)
-
-    def cheaper(self, name: str) -> bool:
-        """Whether the latest observed "verify" or "draft" call came out cheaper than the table by more
-        than refine_margin."""
-        return self._drift[name].cheaper
 
     def drift(self) -> dict[str, dict]:
         """Current correction factors (predicted = profiled x factor), for "verify" and "draft":

@@ -15,21 +15,18 @@ the text generated since it last drafted), at the rate the drafter's catch-up ca
 one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit.
 So exploring costs at most that share of plain steps' time, bar the first catch-up ever timed, and stops
 where even its catch-up cannot fit; credit left over after an exploration is dropped, so savings never
-pay for a burst. The share starts at ``explore_budget`` and falls as 1/sqrt(1 + n), n the explorations
-at the load that confirmed the tables (the uncertainty of a mean of n confirming observations), down to
-a tenth of it, which keeps a machine that changes later from going unnoticed for good. Exploring exists
-to catch tables too pessimistic about drafting, so an exploration confirms them unless its draft call
-came out cheaper than they predicted (beyond the drift's margin); one that does not confirm them keeps
-exploring at the full share until they have caught up. (Counting only draft calls within the margin
-either side, a noisy machine at 64 requests confirmed 1 exploration in 6, and exploring cost ~8% of the
-time where drafting plainly did not pay.)
+pay for a burst. The share starts at ``explore_budget`` and falls as 1/(1 + n), n the explorations at the load that
+confirmed the plan not to draft (the step they ran, drafting, emitted fewer tokens per ms than the
+modelled plain step, the draft's catch-up aside), down to a tenth of it, which keeps a machine that
+changes later from going unnoticed for good; one that does not confirm it keeps exploring at the full
+share until the tables have caught up. (Confirming by the tables instead, a draft call within the
+drift's margin, let a draft table 25% too dear at 64 requests, where drafting still did not pay, keep the
+full share: exploring cost ~8% of the time there.)
 
 Lossless sampling is unaffected: whether a step explores depends only on earlier steps' timings.
 """
 
 from __future__ import annotations
-
-import math
 
 from dspark_trt.runtime.costs.overhead import load_bucket
 
@@ -42,7 +39,7 @@ class _Load:
     def __init__(self):
         self.credit = 0.0  # ms exploration may still spend
         self.count = 0  # explorations so far
-        self.confirmed = 0  # explorations that confirmed the tables (their draft call was not cheaper)
+        self.confirmed = 0  # explorations that confirmed the plan not to draft
 
 
 class ExplorationSchedule:
@@ -65,7 +62,7 @@ class ExplorationSchedule:
     def share(self, n_decode: int) -> float:
         """The fraction of plain step time exploration may spend at this load now."""
         n = self._load(n_decode).confirmed
-        return self.budget * max(self.FLOOR, 1.0 / math.sqrt(1.0 + n))
+        return self.budget * max(self.FLOOR, 1.0 / (1.0 + n))
 
     def due(self, n_decode: int, plain_ms: float, explore_ms: float, catch_up_ms=0.0) -> float | None:
         """Whether this step explores: plain_ms, the modelled ms of this step without drafting; explore_ms,
@@ -90,8 +87,8 @@ class ExplorationSchedule:
 
     def settle(self, n_decode: int, charged_ms: float, measured_extra_ms: float, confirmed: bool) -> None:
         """An exploration charged charged_ms (its modelled cost, catch-up included) measurably cost
-        measured_extra_ms beyond a plain step: the difference goes to the credit. confirmed: its draft call
-        did not come out cheaper than the cost tables predicted."""
+        measured_extra_ms beyond a plain step: the difference goes to the credit. confirmed: drafting did not
+        pay in the step it ran."""
         load = self._load(n_decode)
         load.credit -= measured_extra_ms - charged_ms
         load.confirmed += bool(confirmed)

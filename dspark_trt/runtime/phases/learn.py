@@ -58,13 +58,13 @@ class Learner:
             "target_calls": result.calls, "prompts_held": len(batch.held), "solver_us": plan.solver_us,
             "predicted_accepted": plan.predicted_accepted, "predicted_ms": predicted_ms, "measured_ms": wall_ms})
         if decode and wall_ms > 0:
-            self._rates(batch, depth, drafted, result, wall_ms)
+            self._rates(batch, depth, drafted, plan, result, wall_ms)
             self.metrics.record_prediction(plan.predicted_accepted, sum(acc), predicted_ms, wall_ms)
             self.explainer.record(plan.predicted_accepted, sum(acc), predicted_ms, wall_ms)
         self.metrics.record_step(wall_ms, drafted.engine_ms + result.target_ms, plan.solver_us, result.verified,
                                  len(result.order), sum(len(d.tokens) for d in drafts.values()))
 
-    def _rates(self, batch, depth, drafted, result, wall_ms: float) -> None:
+    def _rates(self, batch, depth, drafted, plan, result, wall_ms: float) -> None:
         nd = len(batch.decode)
         vl, accepted = result.verify_lens, result.accepted
         costs, a = self.costs, self.tuning.rate_alpha
@@ -78,7 +78,14 @@ class Learner:
             # of finishes, prefill batching) whether it explores or not.
             prefill_ms = (result.last_call_ms if result.calls > 1
                           else costs.prefill_share(result.query_lens, result.past_lens, nd))
-            self.exploration.settle(nd, depth.charged_ms, wall_ms - prefill_ms - depth.plain_ms,
-                                    costs.table is None or not costs.table.cheaper("draft"))
+            # It confirms the plan not to draft when the step it ran, drafting, would emit fewer tokens per
+            # ms (its catch-up aside) than the modelled plain step: the step's time as measured, the
+            # adaptive rows' accepted drafts as the survivals expected them (one step's acceptances are too
+            # few to judge by: a run of rejections confirmed a profile 3x too dear about drafting).
+            gain = sum(int(min(accepted[i], vl[i])) for i, r in enumerate(batch.decode) if r.mode.kind == "adaptive")
+            plain = emitted - gain  # what the step emits without the adaptive rows' drafts
+            drafting_ms = wall_ms - prefill_ms - drafted.switch_ms - drafted.prompt_ms
+            confirmed = (nd + plan.predicted_accepted) * depth.plain_ms <= plain * drafting_ms
+            self.exploration.settle(nd, depth.charged_ms, wall_ms - prefill_ms - depth.plain_ms, confirmed)
         unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.switch_ms - drafted.prompt_ms
         costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)
