@@ -84,9 +84,9 @@ def test_the_runtime_picks_the_reference_budget_on_random_steps_with_draft_less_
             continue
         verify, draft = _random_costs(rng, rows)
         planner, costs = _planner(10_000, verify, draft)
-        # The step's drafting cost as the solver sees it: the draft engine time already spent (the step
+        # The step's drafting cost as the solver sees it: the drafting calls' time already spent (the step
         # overhead is still 0 here), the reference's draft_cost[num_reqs].
-        plan = planner.plan(SimpleNamespace(decode=decode), DraftRound(drafts, float(draft[rows]), 0.0, 0.0),
+        plan = planner.plan(SimpleNamespace(decode=decode), DraftRound(drafts, 0.0, float(draft[rows]), 0.0),
                             costs.for_step(rows, 0))
         assert sum(plan.lengths.values()) == vllm_budget(scheduled, draft, verify, 10_000)
         cases += 1
@@ -106,7 +106,7 @@ def test_with_a_global_cap_the_runtime_picks_the_reference_budget_and_never_veri
         cap = int(rng.integers(1, rows * (K + 1) + 1))  # max_verify_tokens = 0 means no cap of its own
         for engine, tuned in ((cap, 0), (10_000, cap)):  # the engine's limit or RuntimeTuning.max_verify_tokens
             planner, costs = _planner(engine, verify, draft, replace(RuntimeTuning(), max_verify_tokens=tuned))
-            plan = planner.plan(SimpleNamespace(decode=decode), DraftRound(drafts, float(draft[rows]), 0.0, 0.0),
+            plan = planner.plan(SimpleNamespace(decode=decode), DraftRound(drafts, 0.0, float(draft[rows]), 0.0),
                                 costs.for_step(rows, 0))
             B = sum(plan.lengths.values())
             assert B == vllm_budget(scheduled, draft, verify, cap)
@@ -120,7 +120,7 @@ def test_fixed_rows_are_trimmed_to_the_cap_deepest_first():
     drafts = {r.id: Draft([1, 2, 3, 4], [], np.ones(4, np.float32), [0.9, 0.8, 0.7, 0.6]) for r in fixed}
     verify, draft = np.arange(40, dtype=float), np.full(5, 0.1)
     planner, costs = _planner(64, verify, draft, replace(RuntimeTuning(), max_verify_tokens=3 + 7))
-    plan = planner.plan(SimpleNamespace(decode=fixed), DraftRound(drafts, 0.1, 0.0, 0.0), costs.for_step(3, 0))
+    plan = planner.plan(SimpleNamespace(decode=fixed), DraftRound(drafts, 0.0, 0.1, 0.0), costs.for_step(3, 0))
     assert sorted(plan.lengths.values()) == [2, 2, 3] and planner.verify_limit() == 10
 
 

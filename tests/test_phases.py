@@ -108,6 +108,19 @@ def test_fixed_requests_verify_what_they_drafted_up_to_k_and_adaptive_ones_what_
     assert costs.break_even >= 0.0  # set for the next step's drafting
 
 
+def test_a_steps_predicted_ms_counts_the_whole_drafting_time_not_only_its_engine_calls():
+    costs = Costs(64, K)
+    costs.table = CostTable(np.arange(64, dtype=float), np.full(K + 2, 0.5))  # verify: 1 ms a token
+    planner = VerifyPlanner(K, RuntimeTuning(), AdaptiveController(), None, costs)
+    fixed = request(0, spec="fixed:2")
+    drafts = {0: Draft([7, 8], [], np.ones(2, np.float32), [0.9, 0.8])}
+    # engine 1.0 ms of the drafting calls' 3.0 ms (feeds, KV writes), plus 0.5 ms catching up and 0.25 ms
+    # feeding a new prompt: the step spent 3.75 ms drafting before its verify call of 3 tokens
+    plan = planner.plan(SimpleNamespace(decode=[fixed]), DraftRound(drafts, 1.0, 3.0, 0.5, 0.25), costs.for_step(1, 0))
+    assert plan.lengths[0] == 2 and plan.predicted_accepted == pytest.approx(1.7)
+    assert plan.predicted_ms == pytest.approx(3.75 + 3.0)  # the step overhead is still 0
+
+
 # ---------------------------------------------------------------------------------------------- commit
 
 class _Tok:

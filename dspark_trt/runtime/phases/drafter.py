@@ -44,6 +44,11 @@ class DraftRound(NamedTuple):
     switch_ms: float  # time feeding the draft text generated while it did not draft (a switch's cost)
     prompt_ms: float = 0.0  # time feeding the draft new prompts (once per request that drafts, not per step)
 
+    @property
+    def catch_up_ms(self) -> float:
+        """Time feeding the draft text it had not seen (a switch's catch-up and new prompts): not a step's cost."""
+        return self.switch_ms + self.prompt_ms
+
 
 class Drafter:
     """The classic autoregressive draft: one engine call per drafted position.

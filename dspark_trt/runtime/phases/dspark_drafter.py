@@ -68,7 +68,7 @@ class DsparkDrafter:
         # (a request that decoded a while without drafting, an exploration) is the price of switching into
         # drafting: timed apart, as the classic drafter's catch-up, and not part of the block pass's cost.
         # A new request's prompt is paid once by each request that drafts, not per step: timed apart too.
-        behind = {r.id: sum(a.shape[0] for a, _ in self._pending.get(r.slot, ())) for r in spec}
+        behind = {r.id: self._pending_rows(r.slot) for r in spec}
         self._flush([r.slot for r in spec])
         flush_ms = (time.perf_counter() - t0) * 1e3
         rows = sum(behind.values())
@@ -159,7 +159,10 @@ class DsparkDrafter:
 
     def catch_up_ms(self, reqs) -> float:
         """Modelled ms of writing the rows `reqs` have waiting into the draft's context."""
-        return self.catch_up_rate.ms(sum(a.shape[0] for r in reqs for a, _ in self._pending.get(r.slot, ())))
+        return self.catch_up_rate.ms(sum(self._pending_rows(r.slot) for r in reqs))
+
+    def _pending_rows(self, slot) -> int:
+        return sum(a.shape[0] for a, _ in self._pending.get(slot, ()))
 
     def _flush(self, slots) -> None:
         """Write the waiting rows of `slots` into the context cache (one context-graph call)."""

@@ -84,8 +84,8 @@ class Learner:
             # few to judge by: a run of rejections confirmed a profile 3x too dear about drafting).
             gain = sum(int(min(accepted[i], vl[i])) for i, r in enumerate(batch.decode) if r.mode.kind == "adaptive")
             plain = emitted - gain  # what the step emits without the adaptive rows' drafts
-            drafting_ms = wall_ms - prefill_ms - drafted.switch_ms - drafted.prompt_ms
+            drafting_ms = wall_ms - prefill_ms - drafted.catch_up_ms
             confirmed = (nd + plan.predicted_accepted) * depth.plain_ms <= plain * drafting_ms
             self.exploration.settle(nd, depth.charged_ms, wall_ms - prefill_ms - depth.plain_ms, confirmed)
-        unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.switch_ms - drafted.prompt_ms
+        unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.catch_up_ms
         costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)

@@ -71,7 +71,7 @@ class VerifyPlanner:
         return self._predict(batch, drafted, cost, lengths, solver_us)
 
     def _plan(self, batch, drafted, cost, explore: bool = False) -> tuple[dict[int, int], float]:
-        decode, drafts, draft_ms = batch.decode, drafted.drafts, drafted.engine_ms
+        decode, drafts, draft_ms = batch.decode, drafted.drafts, drafted.priced_ms
         lengths: dict[int, int] = {}
         adaptive = []
         for r in decode:
@@ -134,8 +134,8 @@ class VerifyPlanner:
 
     def _predict(self, batch, drafted, cost, lengths: dict[int, int], solver_us: float) -> VerifyPlan:
         """The plan with its predictions: expected accepted drafts (the survivals the solver saw, over the
-        verified slots) and the step's modelled ms, priced as the solver prices a step (the drafting
-        engine time already spent, the step overhead of this load, the verify call at these lengths)."""
+        verified slots) and the step's modelled ms: the drafting time already spent (catch-up included),
+        the step overhead of this load, the verify call at these lengths."""
         decode, drafts = batch.decode, drafted.drafts
         expected = sum(float(sum(drafts[rid].corrected[:L])) for rid, L in lengths.items() if L)
         if cost.table is None or not decode:
@@ -146,7 +146,7 @@ class VerifyPlanner:
             verify_ms = shape.ms(*packed_shape(query_lens, [r.target_len for r in decode]))
         else:
             verify_ms = table_lookup(np.asarray(cost.table.verify_table(), dtype=np.float64), sum(query_lens))
-        ms = drafted.engine_ms + cost.overhead("spec" if drafts else "plain") + verify_ms
+        ms = drafted.priced_ms + drafted.catch_up_ms + cost.overhead("spec" if drafts else "plain") + verify_ms
         return VerifyPlan(lengths, solver_us, expected, float(ms))
 
     def _cap_depth(self, plan: np.ndarray, live: list, decode: list, fixed: dict, drafts: dict,
