@@ -82,6 +82,46 @@ def test_drift_is_learned_per_call_width():
     assert 1.0 < m.ms(16, 16, 1, 100) / unseen < 1.3  # unseen width: the global factor, a blend
 
 
+def _true_ms(tokens, rows, longest, past):
+    return float(features(tokens, rows, longest, past) @ MEASURED)
+
+
+def _run_calls(model, n, rng, rows=16, level=1.3):
+    """n verify calls of one width, each a random depth and past, at `level` x the true cost (+-5% noise)."""
+    for _ in range(n):
+        q, past = int(rng.integers(1, 9)), int(rng.integers(64, 320))
+        model.observe(rows * q, rows, q, past, level * _true_ms(rows * q, rows, q, past) * rng.lognormal(0, 0.05))
+
+
+@pytest.mark.parametrize("refit", [True, False])
+def test_a_flat_profile_learns_from_its_calls_that_deeper_verification_costs_more(refit):
+    """A profile recorded flat (every call as dear as a plain step: extra verified tokens look free): the
+    drift corrects the level per width but not the slope; calls of different depths disagreeing with it
+    trigger refits that learn the slope."""
+    x = shapes()
+    flat = CallShapeCost.from_points(np.column_stack([x, np.full(len(x), _true_ms(16, 16, 1, 200))]))
+    if not refit:
+        flat.refit_every = 0
+    _run_calls(flat, 512, np.random.default_rng(0))
+    plain, deep = flat.ms(16, 16, 1, 200), flat.ms(128, 16, 8, 200)
+    if refit:
+        assert flat.refits == 8
+        assert plain == pytest.approx(1.3 * _true_ms(16, 16, 1, 200), rel=0.15)
+        assert deep == pytest.approx(1.3 * _true_ms(128, 16, 8, 200), rel=0.15)
+    else:
+        assert deep / plain == pytest.approx(1.0)  # a factor per width cannot tell depths apart
+
+
+def test_a_right_shape_is_not_refitted_and_the_drift_keeps_the_level():
+    """Calls of every depth off the model by the same factor (plus noise): nothing for a refit to fix."""
+    m = CallShapeCost(MEASURED)
+    _run_calls(m, 512, np.random.default_rng(1))
+    assert m.refits == 0
+    np.testing.assert_array_equal(m.coef, MEASURED)
+    for q in (1, 4, 8):
+        assert m.ms(16 * q, 16, q, 200) == pytest.approx(1.3 * _true_ms(16 * q, 16, q, 200), rel=0.05)
+
+
 @pytest.mark.parametrize("coef", [[0, 0, 0, 0], [1, -1, 0, 0], [1, 2, 3], [np.nan, 1, 1, 1]])
 def test_bad_coefficients_are_refused(coef):
     with pytest.raises(ValueError):

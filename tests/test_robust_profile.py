@@ -201,3 +201,24 @@ def test_a_failed_save_leaves_the_old_profile_whole(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         CostTable(np.arange(5.0), np.arange(3.0)).save(path)
     assert path.read_bytes() == before and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_verify_slope_learned_from_calls_is_saved_at_close(tmp_path):
+    """A profile whose verify shapes were all timed alike (flat): calls of several depths refit its slope,
+    and the saved profile keeps it (its shapes as the model now predicts them)."""
+    flat = [[r * q, r, q, p, 10.0] for r in (1, 4, 16) for q in (1, 2, 4, 8) for p in (32, 192)]
+    table = CostTable(np.arange(33, dtype=float) * 10.0, np.arange(9, dtype=float) + 1.0, {"spread": 0.05},
+                      points={"verify": {"8": [80.0]}, "verify_shapes": flat})
+    path = table.save(profiling.profile_path(tmp_path, "ort"))
+    model = table.call_shape
+    assert model.ms(64, 16, 4, 100) == pytest.approx(model.ms(16, 16, 1, 100))
+    rng = np.random.default_rng(5)
+    for _ in range(512):  # each query position costs 2 ms, on top of a 4 ms call: twice as dear at depth 4
+        q, past = int(rng.integers(1, 9)), int(rng.integers(32, 192))
+        table.observe_verify(16 * q, 4.0 + 2.0 * q)  # as the verifier feeds both
+        model.observe(16 * q, 16, q, past, 4.0 + 2.0 * q)
+    assert model.refits > 0 and model.ms(64, 16, 4, 100) > 1.5 * model.ms(16, 16, 1, 100)
+    assert profiling.disagreement(table) > 0.25
+    assert profiling.persist_refined(_closing_rt(tmp_path, table)) == path
+    saved = CostTable.load(path).call_shape
+    assert saved.ms(64, 16, 4, 100) > 1.5 * saved.ms(16, 16, 1, 100)

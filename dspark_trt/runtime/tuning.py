@@ -55,6 +55,12 @@ class DriftTuning:
     shape_alpha: float = 0.05
     """Weight of one observed target call in the call-shape model's drift (per call width)."""
 
+    shape_refit_every: int = 64
+    """Observed target calls between checks of the call-shape model's depth slope (how cost grows with the
+    tokens and the padded query depth), refitted from those calls when calls of different depths at one width
+    are off the model by more than refine_margin apart; the drift corrects only the level per width, so
+    without refits a profile whose slope is wrong (a flat verify curve) stays wrong. 0: never refit."""
+
     refine_margin: float = 0.25
     """At close, a full profile whose observed calls disagree with it by more than this (a drift factor
     above 1 + margin or below 1 / (1 + margin) at some observed size) is replaced by its drift-corrected

@@ -18,6 +18,20 @@ exponentially weighted log-ratios (observed / predicted) follow the machine's dr
 width the way a running batch does, and a single factor learned mostly from the many small calls (prompt
 chunks, a few requests) left the widest calls dearer than predicted, a bias that falls unevenly on
 plain and drafting steps.
+
+A factor per width corrects the level, never the shape: a profile recorded with a flat verify curve
+(every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying
+deep at any load (measured at 16 and 64 requests: 0.75x the best fixed K for a whole bench run). So every
+``refit_every`` observed calls are checked: when, at some width, calls of different query depths (longest
+query, to the nearest power of two) are off the model by levels more than ``refine_margin`` apart, the
+depth slope is wrong, and the call, token and padded-attention coefficients are refitted to those calls (each
+divided by its width's drift factor when observed, each width's mean log-ratio taken out: the level is the
+drift's job) together with what the model predicts now on a grid of shapes, weighing as much as the calls
+(each refit moves the model about halfway; relative errors, since calls run from 1 to 50 ms). The past
+coefficient stays: within a window the past grows with time while the machine's speed moves, and
+a refit of all four read that drift as a cost of the past and moved the depth slope with it (a good
+profile then drafted deep at 64 requests). Each width's drift then moves by what the refit changed its
+calls' level by.
 """
 
 from __future__ import annotations
@@ -31,6 +45,11 @@ from dspark_trt.runtime.costs.overhead import load_bucket
 from dspark_trt.runtime.tuning import DriftTuning
 
 FEATURES = ("call", "tokens", "rows_x_past/100", "rows_x_longest_x_span/1000")
+
+# Shapes (tokens, rows, longest, past) where a refit keeps the current predictions as its prior: decode
+# and verify calls of every width and depth, and prompt chunks.
+GRID = np.array([(r * q, r, q, p) for r in (1, 2, 4, 8, 16, 32, 64) for q in (1, 2, 4, 8) for p in (64, 256)]
+                + [(q * r, r, q, 0) for r in (1, 4) for q in (32, 128)], dtype=np.float64)
 
 
 def features(tokens, rows, longest, past) -> np.ndarray:
@@ -69,6 +88,18 @@ class CallShapeCost:
         self.bounds = (math.log(DriftTuning.bound_low), math.log(DriftTuning.bound_high))
         self.log_drift = 0.0  # global: for call widths not observed yet
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
+        self.refits = 0
+        self.refit_every = DriftTuning.shape_refit_every
+        self.margin = math.log1p(DriftTuning.refine_margin)  # how far apart two depths' errors must be
+
+    @property
+    def refit_every(self) -> int:
+        return self._refit_every
+
+    @refit_every.setter
+    def refit_every(self, n: int) -> None:
+        self._refit_every = int(n)
+        self._calls: list = []  # since the last refit: (tokens, rows, longest, past, ms / drift factor then)
 
     @classmethod
     def from_points(cls, points) -> "CallShapeCost":
@@ -108,6 +139,68 @@ class CallShapeCost:
         own = self.width_drift.get(w, self.log_drift)
         self.width_drift[w] = min(max(own + self.alpha * (x - own), lo), hi)
         self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
+        if self.refit_every > 0:
+            # in the model's units: what the base should have said, the width's level at the time taken out
+            self._calls.append((tokens, rows, longest, past, ms / math.exp(own)))
+            if len(self._calls) >= self.refit_every:
+                self.refit()
+
+    def refit(self) -> None:
+        """Refit the depth slope to the calls since the last refit, when they show it wrong (module docstring)."""
+        calls = np.asarray(self._calls, dtype=np.float64)
+        self._calls = []
+        if len(calls) < len(FEATURES):
+            return
+        x = features(*calls[:, :4].T)
+        base = x @ self.coef
+        width = np.rint(np.log2(np.maximum(calls[:, 1], 1.0))).astype(np.int64)
+        depth = np.rint(np.log2(np.maximum(calls[:, 2], 1.0))).astype(np.int64)
+        ok = base > 0
+        log_ratio = np.zeros(len(calls))
+        log_ratio[ok] = np.log(calls[ok, 4] / base[ok])
+        keep, wrong = np.zeros(len(calls), dtype=bool), False
+        for w in np.unique(width[ok]):
+            at = ok & (width == w)
+            levels = [log_ratio[at & (depth == q)].mean() for q in np.unique(depth[at])]
+            if len(levels) > 1:
+                keep |= at
+                wrong |= max(levels) - min(levels) > self.margin
+        if not wrong:
+            return
+        level = np.zeros(len(calls))
+        for w in np.unique(width[keep]):
+            level[keep & (width == w)] = log_ratio[keep & (width == w)].mean()
+        x, y, base = x[keep], (base * np.exp(log_ratio - level))[keep], base[keep]  # levels out: the drift's job
+        g = features(*GRID.T)
+        gy = g @ self.coef
+        # The past term stays: within a window the past grows with time, and the machine speeding up or
+        # slowing down meanwhile would be read as a cost of the past.
+        fixed, free = [2], [0, 1, 3]
+        xs, ys = np.vstack([x, g]), np.concatenate([y, gy])
+        weight = np.concatenate([1.0 / y, np.full(len(gy), math.sqrt(len(y) / len(gy))) / gy])
+        slope = fit_nonnegative(xs[:, free] * weight[:, None], (ys - xs[:, fixed] @ self.coef[fixed]) * weight)
+        coef = self.coef.copy()
+        coef[free] = slope
+        new = x @ coef
+        if not (np.isfinite(coef).all() and coef.sum() > 0 and (new > 0).all()):
+            return
+        # Each width's drift moves by what the refit changed its calls' level by: the model predicts the
+        # calls it saw, width by width, as before.
+        change = np.log(new / base)
+        lo, hi = self.bounds
+        for w in np.unique(width[keep]):
+            own = self.width_drift.get(int(w), self.log_drift)
+            self.width_drift[int(w)] = min(max(own - float(change[width[keep] == w].mean()), lo), hi)
+        self.log_drift = min(max(self.log_drift - float(change.mean()), lo), hi)
+        self.coef = coef
+        self.refits += 1
+
+    def moved(self, coef) -> float:
+        """How far the model's shape has moved from coefficients ``coef`` (the profile's fit): the largest
+        ratio of their predictions on the grid, as max(f, 1 / f) - 1."""
+        g = features(*GRID.T)
+        f = (g @ self.coef) / (g @ np.asarray(coef, dtype=np.float64))
+        return float(np.max(np.maximum(f, 1.0 / f)) - 1.0)
 
 
 def packed_shape(query_lens, past_lens) -> tuple[int, int, int, int]:

@@ -237,9 +237,14 @@ def disagreement(cost) -> float:
     """How far observed calls are from the profile: the largest drift factor f at any observed size, as
     max(f, 1 / f) - 1 (0: they agree; 1: calls take twice, or half, the profiled time)."""
     factors = [f for d in cost.drift().values() for f in d["by_size"].values()]
-    if cost.call_shape is not None:  # the call-shape model's drift, per call width it observed
+    moved = 0.0
+    if cost.call_shape is not None:  # the call-shape model's drift, per call width it observed, and its refits
         factors += [math.exp(x) for x in cost.call_shape.width_drift.values()]
-    return max((max(f, 1.0 / f) - 1.0 for f in factors if f > 0), default=0.0)
+        if cost.call_shape.refits and cost.points.get("verify_shapes"):
+            from dspark_trt.runtime.costs.call_shape import CallShapeCost
+
+            moved = cost.call_shape.moved(CallShapeCost.from_points(cost.points["verify_shapes"]).coef)
+    return max([moved] + [max(f, 1.0 / f) - 1.0 for f in factors if f > 0])
 
 
 def persist_refined(rt) -> Path | None:
@@ -269,11 +274,11 @@ def persist_refined(rt) -> Path | None:
                 refined_from=dict(cost.meta.get("refined_from") or {"kind": "quick" if quick else "full"},
                                   disagreement=round(apart, 4)))
     points = dict(cost.points)
-    if cost.call_shape is not None and cost.call_shape.width_drift and points.get("verify_shapes"):
-        # The call shapes' timings scaled by what their widths' calls were observed to take: the model is
-        # fitted again from them at the next load.
-        points["verify_shapes"] = [[*row[:4], row[4] * math.exp(cost.call_shape.drift(int(row[1])))]
-                                   for row in points["verify_shapes"]]
+    shape = cost.call_shape
+    if shape is not None and (shape.width_drift or shape.refits) and points.get("verify_shapes"):
+        # The call shapes' timings as the model now predicts them (its refits and its widths' drift): the
+        # model is fitted again from them at the next load.
+        points["verify_shapes"] = [[*row[:4], shape.ms(*(int(v) for v in row[:4]))] for row in points["verify_shapes"]]
     try:
         return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, rt.backend.name))
     except OSError:

@@ -278,6 +278,8 @@ class CostTable:
         self._cache.clear()
         if self.call_shape is not None:
             self.call_shape.alpha = drift.shape_alpha
+            self.call_shape.refit_every = drift.shape_refit_every
+            self.call_shape.margin = math.log1p(drift.refine_margin)
             self.call_shape.bounds = (math.log(drift.bound_low), math.log(drift.bound_high))
         return self
 
