@@ -88,17 +88,10 @@ class CallShapeCost:
         self.bounds = (math.log(DriftTuning.bound_low), math.log(DriftTuning.bound_high))
         self.log_drift = 0.0  # global: for call widths not observed yet
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
+        self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
         self.refit_every = DriftTuning.shape_refit_every
         self.margin = math.log1p(DriftTuning.refine_margin)  # how far apart two depths' errors must be
-
-    @property
-    def refit_every(self) -> int:
-        return self._refit_every
-
-    @refit_every.setter
-    def refit_every(self, n: int) -> None:
-        self._refit_every = int(n)
         self._calls: list = []  # since the last refit: (tokens, rows, longest, past, ms / drift factor then)
 
     @classmethod
@@ -153,23 +146,21 @@ class CallShapeCost:
             return
         x = features(*calls[:, :4].T)
         base = x @ self.coef
-        width = np.rint(np.log2(np.maximum(calls[:, 1], 1.0))).astype(np.int64)
-        depth = np.rint(np.log2(np.maximum(calls[:, 2], 1.0))).astype(np.int64)
+        width = np.array([load_bucket(int(r)) for r in calls[:, 1]])
+        depth = np.array([load_bucket(int(q)) for q in calls[:, 2]])
         ok = base > 0
         log_ratio = np.zeros(len(calls))
         log_ratio[ok] = np.log(calls[ok, 4] / base[ok])
-        keep, wrong = np.zeros(len(calls), dtype=bool), False
+        keep, wrong, level = np.zeros(len(calls), dtype=bool), False, np.zeros(len(calls))
         for w in np.unique(width[ok]):
             at = ok & (width == w)
             levels = [log_ratio[at & (depth == q)].mean() for q in np.unique(depth[at])]
             if len(levels) > 1:
                 keep |= at
                 wrong |= max(levels) - min(levels) > self.margin
+                level[at] = log_ratio[at].mean()
         if not wrong:
             return
-        level = np.zeros(len(calls))
-        for w in np.unique(width[keep]):
-            level[keep & (width == w)] = log_ratio[keep & (width == w)].mean()
         x, y, base = x[keep], (base * np.exp(log_ratio - level))[keep], base[keep]  # levels out: the drift's job
         g = features(*GRID.T)
         gy = g @ self.coef
@@ -195,11 +186,11 @@ class CallShapeCost:
         self.coef = coef
         self.refits += 1
 
-    def moved(self, coef) -> float:
-        """How far the model's shape has moved from coefficients ``coef`` (the profile's fit): the largest
-        ratio of their predictions on the grid, as max(f, 1 / f) - 1."""
+    def moved(self) -> float:
+        """How far refits have moved the model from the profile's fit: the largest ratio of their
+        predictions on the grid, as max(f, 1 / f) - 1."""
         g = features(*GRID.T)
-        f = (g @ self.coef) / (g @ np.asarray(coef, dtype=np.float64))
+        f = (g @ self.coef) / (g @ self.fitted)
         return float(np.max(np.maximum(f, 1.0 / f)) - 1.0)
 
 

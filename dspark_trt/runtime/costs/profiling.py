@@ -240,10 +240,7 @@ def disagreement(cost) -> float:
     moved = 0.0
     if cost.call_shape is not None:  # the call-shape model's drift, per call width it observed, and its refits
         factors += [math.exp(x) for x in cost.call_shape.width_drift.values()]
-        if cost.call_shape.refits and cost.points.get("verify_shapes"):
-            from dspark_trt.runtime.costs.call_shape import CallShapeCost
-
-            moved = cost.call_shape.moved(CallShapeCost.from_points(cost.points["verify_shapes"]).coef)
+        moved = cost.call_shape.moved()
     return max([moved] + [max(f, 1.0 / f) - 1.0 for f in factors if f > 0])
 
 
