@@ -437,35 +437,41 @@ def test_the_break_even_survival_shares_a_layers_padding_jump_across_the_layer()
 
 
 def test_a_sampled_requests_drafts_never_decide_whether_other_requests_draft_on(tiny_artifact):
-    """The call test sums every request's expected surplus. If a sampled request's drafts took part, the
-    other requests' extra slots (competing for the same budget) would depend on its tokens, and whether
-    its x_k is verified would depend on x_k. So with a sampled adaptive request in the step only the
-    per-request test (a stopping rule on the request's own drafts) decides; greedy batches keep it."""
+    """The call test sums the expected surplus of another draft call. If a sampled request's drafts took
+    part, the other requests' extra slots (competing for the same budget) would depend on its tokens, and
+    whether its x_k is verified would depend on x_k. So a sampled request counts in it by what is known
+    before drafting (its cap, the running profile); its own drafts only decide whether it drafts on."""
     from types import SimpleNamespace
 
     from dspark_trt.runtime.costs.table import CostTable
 
     rt = Runtime.load(tiny_artifact)
     try:
-        # Drafting nearly free: adaptive drafts on, with more than one draft call, whatever the survivals say.
-        rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.full(9, 0.01) * (np.arange(9) > 0))
-        seen = []
         keep = rt.drafter.keep_drafting
-        rt.drafter.keep_drafting = lambda reqs, corr, k, test_call=True: (seen.append(test_call),
-                                                                           keep(reqs, corr, k, test_call))[1]
-        rt.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, spec="adaptive", temperature=0.8, seed=1))
-        assert seen and not any(seen)
-        seen.clear()
-        rt.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, spec="adaptive"))
-        assert seen and all(seen)
-        # and the per-request test alone keeps a request whose next draft clears the break-even
-        rt.drafter.keep_drafting = keep
         rt.cost = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(9, 1.0) * (np.arange(9) > 0))
-        rt.controller.reset()  # the default prior profile: the next draft's conditional acceptance is 0.7
+        rt.controller.reset()  # the default prior profile: S_k = 0.7^k, conditional acceptance 0.7
         rt.costs.break_even = 0.1
-        rt.costs.rate = 1e6  # any call is dear at this rate
-        reqs = [SimpleNamespace(id=0)]
-        assert keep(reqs, {0: [0.9]}, 1, test_call=True) == set()
-        assert keep(reqs, {0: [0.9]}, 1, test_call=False) == {0}
+        greedy, sampled = SimpleNamespace(id=0, sampling=False), SimpleNamespace(id=1, sampling=True)
+        for rate in (0.2, 0.5, 1.0, 2.0, 1e6):  # the call is cheap ... dear
+            rt.costs.rate = rate
+            calls = set()
+            for s in (0.99, 0.5, 0.05):  # the sampled request's own survival: its drafts
+                kept = keep([greedy, sampled], {0: [0.9], 1: [s]}, 1, sampled_caps=[4])
+                calls.add(bool(kept))
+                if kept:
+                    assert (1 in kept) == (s * 0.7 >= 0.1)  # its own stopping rule
+            assert len(calls) == 1, f"at rate {rate} the call depended on the sampled request's drafts"
+        # A sampled batch is no longer exempt: a call whose expected surplus does not pay is not made ...
+        rt.costs.rate = 1e6
+        assert keep([sampled], {1: [0.99]}, 1, sampled_caps=[4]) == set()
+        # ... and without the call test only the per-request test decides.
+        assert keep([sampled], {1: [0.99]}, 1, test_call=False, sampled_caps=[4]) == {1}
+        # Generation with sampled adaptive requests still runs every drafting call through the call test.
+        seen = []
+        rt.drafter.keep_drafting = lambda reqs, corr, k, test_call=True, sampled_caps=(): (
+            seen.append((test_call, list(sampled_caps))), keep(reqs, corr, k, test_call, sampled_caps))[1]
+        rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.full(9, 0.01) * (np.arange(9) > 0))
+        rt.generate(PROMPTS[:3], GenerationConfig(max_new_tokens=24, spec="adaptive", temperature=0.8, seed=1))
+        assert seen and all(t and caps for t, caps in seen)
     finally:
         rt.close()

@@ -108,11 +108,10 @@ class Drafter:
         toks = {r.id: [] for r in reqs}
         probs = {r.id: [] for r in reqs}
         surv = {r.id: [] for r in reqs}
-        # A sampled request's drafts must not decide whether other requests draft on (the call test sums
-        # every request's surplus): their extra slots would then compete for the budget depending on the
-        # sampled tokens, and "verify x_k" would depend on x_k. Decided before drafting, from the requests'
-        # settings only.
-        test_call = not any(r.sampling and r.mode.kind == "adaptive" for r in reqs)
+        # A sampled request's drafts must not decide whether other requests draft on: their extra slots
+        # would then compete for the budget depending on the sampled tokens, and "verify x_k" would depend
+        # on x_k. So the call test counts sampled adaptive requests by their caps, known before drafting.
+        sampled_caps = [caps[r.id] for r in reqs if r.sampling and r.mode.kind == "adaptive"]
         current = list(reqs)
         queries = [r.tokens[r.draft_len:] for r in current]
         prev = {r.id: 1.0 for r in reqs}
@@ -142,7 +141,8 @@ class Drafter:
                     nxt.append(r)
                     nq.append([t])
             keep = self.keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], corr, k + 1,
-                                      test_call=test_call and not any(r.mode.kind != "adaptive" for r in nxt))
+                                      test_call=not any(r.mode.kind != "adaptive" for r in nxt),
+                                      sampled_caps=sampled_caps)
             nq = [q for r, q in zip(nxt, nq) if r.mode.kind != "adaptive" or r.id in keep]
             nxt = [r for r in nxt if r.mode.kind != "adaptive" or r.id in keep]
             # Tokens fed this call are in the draft cache only provisionally: roll back to the committed
@@ -204,7 +204,8 @@ class Drafter:
                 r.draft_len += c
         return engine_ms, switch_ms, prompt_ms
 
-    def keep_drafting(self, reqs: list[Request], corrected: dict, drafted: int, test_call: bool = True) -> set:
+    def keep_drafting(self, reqs: list[Request], corrected: dict, drafted: int, test_call: bool = True,
+                      sampled_caps=()) -> set:
         """Adaptive requests worth another draft step, by marginal value.
 
         A drafted token pays only if the solver admits it, i.e. if its survival clears theta, the
@@ -212,9 +213,11 @@ class Drafter:
         token's survival is predicted as S_k times the running profile's conditional acceptance at k+1,
         and a request keeps drafting iff that clears theta * stop_factor. With test_call the call itself
         is made only if the expected surplus sum (S_pred - theta) is worth its time at the runtime's
-        recent output rate (tokens per ms); without (fixed-K requests draft anyway, or a sampled request
-        is among them) only the per-request test applies. Stopping rules that look only at positions
-        <= k keep sampling lossless.
+        recent output rate (tokens per ms); without (fixed-K requests draft anyway) only the per-request
+        test applies. Sampled requests take part in the call test by what is known before drafting: each
+        of `sampled_caps` (their caps) above `drafted` counts the running profile's survival at the next
+        position, and one row of the call; their own drafts never decide whether the others draft on.
+        Stopping rules that look only at positions <= k keep sampling lossless.
         """
         if not reqs:
             return set()
@@ -222,16 +225,21 @@ class Drafter:
         cond = conds[drafted] if drafted < len(conds) else 0.0
         theta = self.costs.break_even
         bar = theta * self.tuning.stop_factor
-        keep, surplus = set(), 0.0
+        keep, surplus, rows = set(), 0.0, 0
         for r in reqs:
             p = corrected[r.id][-1] * cond
             if p >= bar:
                 keep.add(r.id)
-                if p > theta:
-                    surplus += p - theta
+                if not r.sampling:
+                    rows += 1
+                    surplus += max(0.0, p - theta)
         table, rate = self.costs.table, self.costs.rate
         if keep and self.tuning.call_test and test_call and table is not None and rate > 0:
-            if surplus < rate * table.draft_ms(len(keep)):
+            sampled = sum(1 for cap in sampled_caps if cap > drafted)
+            if sampled:
+                prior = self.controller.prior_row(self.max_draft)
+                surplus += sampled * max(0.0, float(prior[drafted]) - theta) if drafted < len(prior) else 0.0
+            if surplus < rate * table.draft_ms(max(1, rows + sampled)):
                 return set()
         return keep
 
