@@ -235,10 +235,9 @@ class Drafter:
                     surplus += max(0.0, p - theta)
         table, rate = self.costs.table, self.costs.rate
         if keep and self.tuning.call_test and test_call and table is not None and rate > 0:
-            sampled = sum(1 for cap in sampled_caps if cap > drafted)
+            sampled = sum(1 for cap in sampled_caps if cap > drafted)  # caps <= max_draft: prior[drafted] exists
             if sampled:
-                prior = self.controller.prior_row(self.max_draft)
-                surplus += sampled * max(0.0, float(prior[drafted]) - theta) if drafted < len(prior) else 0.0
+                surplus += sampled * max(0.0, float(self.controller.prior_row(self.max_draft)[drafted]) - theta)
             if surplus < rate * table.draft_ms(max(1, rows + sampled)):
                 return set()
         return keep
