@@ -105,11 +105,31 @@ def test_a_flat_profile_learns_from_its_calls_that_deeper_verification_costs_mor
     _run_calls(flat, 512, np.random.default_rng(0))
     plain, deep = flat.ms(16, 16, 1, 200), flat.ms(128, 16, 8, 200)
     if refit:
-        assert flat.refits == 8
+        assert 4 <= flat.refits <= 8
         assert plain == pytest.approx(1.3 * _true_ms(16, 16, 1, 200), rel=0.15)
         assert deep == pytest.approx(1.3 * _true_ms(128, 16, 8, 200), rel=0.15)
     else:
         assert deep / plain == pytest.approx(1.0)  # a factor per width cannot tell depths apart
+
+
+def test_refits_leave_the_padded_attention_cost_of_a_prompt_chunk_among_decode_rows_as_profiled():
+    """A running batch: decode and verify calls (depth 1-8) of 8-64 rows whose past grows within each window
+    while the machine speeds up (level 1.4 -> 0.7). Refits may follow the depth slope, but a 256-token prompt
+    chunk among 57 decode rows stays priced far above a call of its own: packed, it took 1-2.7 s a step."""
+    m = CallShapeCost(MEASURED)
+    rng = np.random.default_rng(3)
+    for i in range(64 * 40):
+        level = 1.4 - 0.7 * (i % 64) / 63
+        rows, past = int(rng.choice([8, 16, 32, 64])), 100 + 10 * (i % 64)
+        q = [int(rng.integers(1, 9))] + [int(rng.integers(1, 3))] * (rows - 1)
+        shape = packed_shape(q, [past] * rows)
+        m.observe(*shape, level * _true_ms(*shape) * rng.lognormal(0, 0.05))
+    assert m.refits > 0
+    assert m.coef[3] == MEASURED[3]
+    decode, prompt = [1] * 57, [256]
+    mixed = m.ms(*packed_shape(decode + prompt, [600] * 57 + [0]))
+    split = m.ms(*packed_shape(decode, [600] * 57)) + m.ms(*packed_shape(prompt, [0]))
+    assert mixed > 5 * split
 
 
 def test_a_right_shape_is_not_refitted_and_the_drift_keeps_the_level():

@@ -24,14 +24,22 @@ A factor per width corrects the level, never the shape: a profile recorded with 
 deep at any load (measured at 16 and 64 requests: 0.75x the best fixed K for a whole bench run). So every
 ``refit_every`` observed calls are checked: when, at some width, calls of different query depths (longest
 query, to the nearest power of two) are off the model by levels more than ``refine_margin`` apart, the
-depth slope is wrong, and the call, token and padded-attention coefficients are refitted to those calls (each
-divided by its width's drift factor when observed, each width's mean log-ratio taken out: the level is the
-drift's job) together with what the model predicts now on a grid of shapes, weighing as much as the calls
-(each refit moves the model about halfway; relative errors, since calls run from 1 to 50 ms). The past
-coefficient stays: within a window the past grows with time while the machine's speed moves, and
-a refit of all four read that drift as a cost of the past and moved the depth slope with it (a good
-profile then drafted deep at 64 requests). Each width's drift then moves by what the refit changed its
-calls' level by.
+depth slope is wrong, and the call and token coefficients are refitted to those calls (each divided by its
+width's drift factor when observed, each width's mean log-ratio taken out: the level is the drift's job)
+together with what the model predicts now on a grid of shapes, weighing as much as the calls (each refit
+moves the model about halfway; relative errors, since calls run from 1 to 50 ms). Each width's drift then
+moves by what the refit changed its calls' level by.
+
+The past and padded-attention coefficients stay as the profile measured them. Within a window the past
+grows with time while the machine's speed moves: a refit of the past term read that drift as a cost of
+the past and moved the depth slope with it (a good profile then drafted deep at 64 requests). The padded
+attention is the same trap, and a worse one: in the calls a running batch makes (decode rows, verify
+queries of at most max_draft + 1) it is about rows x depth x past, the past's drift again, so refits set
+it anywhere from twice the profile's to 0, often 0 within 30 refits of a mixed open loop. Where it
+dominates, a prompt chunk padded into a wide decode call, the calls are almost never seen (the split
+below keeps them apart); the profile measured them. With it at 0 the split priced a 256-token chunk among
+57 decode rows at 28 ms, packed it, and the call took 1-2.7 s, step after step: whole open-loop runs fell
+to a fifth of their throughput with queue waits of a minute (docs/lab-notes.md, sixth session).
 """
 
 from __future__ import annotations
@@ -164,9 +172,9 @@ class CallShapeCost:
         x, y, base = x[keep], (base * np.exp(log_ratio - level))[keep], base[keep]  # levels out: the drift's job
         g = features(*GRID.T)
         gy = g @ self.coef
-        # The past term stays: within a window the past grows with time, and the machine speeding up or
-        # slowing down meanwhile would be read as a cost of the past.
-        fixed, free = [2], [0, 1, 3]
+        # The past and padded-attention terms stay (module docstring): the calls cannot tell them from the
+        # machine's drift over the window.
+        fixed, free = [2, 3], [0, 1]
         xs, ys = np.vstack([x, g]), np.concatenate([y, gy])
         weight = np.concatenate([1.0 / y, np.full(len(gy), math.sqrt(len(y) / len(gy))) / gy])
         slope = fit_nonnegative(xs[:, free] * weight[:, None], (ys - xs[:, fixed] @ self.coef[fixed]) * weight)
