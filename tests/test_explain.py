@@ -43,11 +43,25 @@ def test_a_window_apart_warns_once_and_the_first_window_is_not_judged(caplog):
     assert "20.00 ms per step and 10.00 ms" in msg and "+100%" in msg and "accepted drafts" not in msg
 
 
+def test_windows_apart_only_now_and_then_never_warn(caplog):
+    """A good profile while the drift catches up, or a burst draining: a window apart between agreeing
+    ones is not a profile that does not match the machine."""
+    ex, logger = _explainer()
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        for k in range(40):
+            ms = 16.0 if (k // 4) % 3 == 2 else 10.0  # every third window 60% over
+            ex.record(10.0, 10, ms, 10.0)
+    assert not caplog.records and not ex.warned
+
+
 def test_accepted_drafts_far_from_the_survivals_warn_and_steps_without_a_profile_skip_the_ms(caplog):
     ex, logger = _explainer()
     with caplog.at_level(logging.WARNING, logger=logger.name):
-        for _ in range(8):
+        for _ in range(12):
             ex.record(1.0, 20, None, 12.0)  # underconfident survivals: 4 expected per window, 80 accepted
+        assert not caplog.records  # the start-up window and two judged ones: not yet three in a row
+        for _ in range(8):
+            ex.record(1.0, 20, None, 12.0)
     assert len(caplog.records) == 1
     msg = caplog.records[0].getMessage()
     assert "predicted 4.0 accepted drafts and 80 were accepted" in msg and "ms per step" not in msg

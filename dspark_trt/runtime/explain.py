@@ -7,10 +7,12 @@ A runtime whose survivals or cost profile are wrong decides badly and cannot see
 why (issue 22: a profile recorded on a loaded machine made adaptive stop drafting for good, silently).
 
 :class:`Explainer` keeps the running sums (in Metrics and in each request's stats, per step in the step
-log) and compares predicted with measured over consecutive windows of steps. When a whole window's sums
-are apart by more than the tolerance it logs one warning (once per runtime), naming which of the two is
-off. The first window is not judged: it holds the start-up steps (first-call allocations, the drift
-correction still catching up). A count is judged apart only when the gap is also beyond three standard
+log) and compares predicted with measured over consecutive windows of steps. When the sums of ``persist``
+windows in a row are apart by more than the tolerance it logs one warning (once per runtime), naming which
+of the two is off. The first window is not judged: it holds the start-up steps (first-call allocations).
+One window apart is not enough: while the drift correction catches up (or the load changes, as when a
+burst drains) a window can be 25-70% apart with a good profile on a quiet machine, and a warning there
+sent users to re-measure a profile the runtime was already correcting. A count is judged apart only when the gap is also beyond three standard
 deviations of a Poisson count of the predicted size, so a window with few verified drafts cannot warn.
 """
 
@@ -41,10 +43,11 @@ class Explainer:
     ``predicted_ms=None`` and are compared on accepted drafts only).
     """
 
-    def __init__(self, window: int, tolerance: float, logger: logging.Logger = log):
-        self.window, self.tolerance, self.log = int(window), float(tolerance), logger
+    def __init__(self, window: int, tolerance: float, logger: logging.Logger = log, persist: int = 3):
+        self.window, self.tolerance, self.log, self.persist = int(window), float(tolerance), logger, int(persist)
         self.warned = False
         self.windows = 0  # windows completed
+        self.streak = [0, 0]  # judged windows in a row apart: accepted drafts, step ms
         self._reset()
 
     def _reset(self) -> None:
@@ -69,17 +72,21 @@ class Explainer:
 
     def _judge(self) -> None:
         pa, acc, pms, mms = self.sums
+        now = (apart(pa, acc, self.tolerance, count=True),
+               self.timed * 2 >= self.steps and apart(pms, mms, self.tolerance))
+        self.streak = [n + 1 if a else 0 for n, a in zip(self.streak, now)]
         off = []
-        if apart(pa, acc, self.tolerance, count=True):
+        if self.streak[0] >= self.persist:
             off.append(f"the survivals predicted {pa:.1f} accepted drafts and {acc:.0f} were accepted "
                        f"({_pct(pa, acc)}): the draft's confidence is miscalibrated for this traffic")
-        if self.timed * 2 >= self.steps and apart(pms, mms, self.tolerance):
+        if self.streak[1] >= self.persist:
             off.append(f"the cost model predicted {pms / self.timed:.2f} ms per step and {mms / self.timed:.2f} ms "
                        f"were measured ({_pct(pms, mms)}): the cost profile does not match this machine now "
                        f"(re-measure it with `dspark-trt profile`)")
         if off:
             self.warned = True
-            self.log.warning("predicted vs measured over the last %d steps: %s", self.steps, "; ".join(off))
+            self.log.warning("predicted vs measured over each of the last %d windows of %d steps: %s",
+                             self.persist, self.steps, "; ".join(off))
 
 
 def _pct(predicted: float, measured: float) -> str:

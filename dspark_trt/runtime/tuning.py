@@ -212,7 +212,11 @@ class RuntimeTuning:
     ms) are compared for the one warning that says they disagree (runtime/explain.py)."""
 
     explain_tolerance: float = 0.25
-    """Relative gap between predicted and measured, over a whole window, that earns the warning."""
+    """Relative gap between predicted and measured, over a whole window, that earns the warning when
+    explain_persist windows in a row have it."""
+
+    explain_persist: int = 3
+    """Windows in a row apart before the warning (one window apart happens while the drift catches up)."""
 
     prior_acceptance: float = 0.7
     """Per-position acceptance of the survival profile before any step is seen (S_k = p^k)."""

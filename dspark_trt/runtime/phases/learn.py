@@ -30,7 +30,8 @@ class Learner:
             max_draft, tuning, correction, costs, metrics)
         self.exploration = exploration  # the depth planner's ExplorationSchedule, settled after exploring
         self._outcomes: list = []  # (raw survival row, verified, accepted) not yet learned from
-        self.explainer = Explainer(tuning.explain_window, tuning.explain_tolerance)
+        self.explainer = Explainer(tuning.explain_window, tuning.explain_tolerance,
+                                   persist=tuning.explain_persist)
 
     def learn(self, batch, depth, drafted, plan, result) -> None:
         decode, drafts = batch.decode, drafted.drafts
