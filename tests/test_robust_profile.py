@@ -90,6 +90,23 @@ def test_a_profile_within_the_spread_is_saved(tmp_path, monkeypatch, capsys):
     assert profiling.profile_path(tmp_path, "ort").exists() and capsys.readouterr().err == ""
 
 
+def test_a_profile_refined_before_refits_kept_the_padding_cost_is_measured_again(tmp_path, monkeypatch, capsys):
+    """Refits used to move the padding coefficient (to 0 within a mixed open loop) and persist_refined saved
+    the refitted shapes: such a profile would pack long prompt chunks among wide decode calls at every start."""
+    rt, fresh = _fake_rt(tmp_path, spread=0.05)
+    meta = dict(profiling.profile_meta(rt.manifest, "ort"), refined_observations=4000)
+    CostTable(np.arange(9.0), np.arange(3.0), meta).save(profiling.profile_path(tmp_path, "ort"))
+    with pytest.raises(DsparkError, match="re-measure it with `dspark-trt profile`"):
+        profiling.load_or_profile(rt, "ort", measure_if_missing=False)
+    monkeypatch.setattr(profiling, "quick_or_full_profile", lambda rt, **kw: fresh)
+    assert profiling.load_or_profile(rt, "ort") is fresh
+    assert "refined by an older dspark-trt" in capsys.readouterr().err
+    # refined by this version (marked): loaded as it is
+    meta["shape_refits"] = profiling.SHAPE_REFITS
+    CostTable(np.arange(9.0), np.arange(3.0), meta).save(profiling.profile_path(tmp_path, "ort"))
+    assert profiling.load_or_profile(rt, "ort", measure_if_missing=False).meta["refined_observations"] == 4000
+
+
 class _Cache:
     def past(self, n):
         return n
@@ -165,6 +182,7 @@ def test_a_full_profile_that_observed_calls_contradict_is_refitted_and_saved_at_
     assert abs(saved.verify_ms(8, corrected=False) - 160.0) < 0.25 * 80.0
     assert abs(saved.draft_ms(4, corrected=False) - 10.0) < 0.25 * 5.0
     assert saved.meta["refined_observations"] == 120 and saved.meta["refined_from"]["kind"] == "full"
+    assert saved.meta["shape_refits"] == profiling.SHAPE_REFITS
     assert saved.meta["refined_from"]["disagreement"] > 0.25 and saved.meta["spread"] == 0.05
     assert not [p for p in tmp_path.iterdir() if p.suffix == ".tmp"]
     # the call-shape model, fitted again from its timings scaled by the observed drift, moved too

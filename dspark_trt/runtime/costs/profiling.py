@@ -16,6 +16,10 @@ from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
 # What one measurement spans and which measurements a profile holds; a profile that differs is measured
 # again. "shapes": target calls of varied shape for the call-shape model (call_shape.py).
 TIMING = "call+kv-write;shapes"
+# What refits of the call-shape model may move, recorded in a refined profile's meta. Profiles refined
+# before refits kept the past and padding coefficients could carry a padding cost refitted to 0 (prompt
+# chunks then packed among wide decode calls, 1-2.7 s a step); without the mark they are measured again.
+SHAPE_REFITS = "call,tokens"
 
 
 def profile_path(artifact_dir, backend: str) -> Path:
@@ -176,7 +180,14 @@ def load_or_profile(rt, backend: str, measure_if_missing: bool = True, repeats: 
     path = profile_path(rt.artifact_dir, backend)
     meta = profile_meta(rt.manifest, backend)
     try:
-        return CostTable.load(path, expect=meta)
+        table = CostTable.load(path, expect=meta)
+        if not table.meta.get("refined_observations") or table.meta.get("shape_refits") == SHAPE_REFITS:
+            return table
+        if not measure_if_missing:
+            raise DsparkError(f"{path} was refined by an older dspark-trt whose refits could zero its padding "
+                              "cost; re-measure it with `dspark-trt profile`")
+        print(f"note: {path.name} was refined by an older dspark-trt (its padding cost may be refitted to 0); "
+              "measuring it again", file=sys.stderr)
     except DsparkError:
         if not measure_if_missing:
             raise
@@ -267,7 +278,8 @@ def persist_refined(rt) -> Path | None:
     elif seen < tuning.refine_observations or apart <= tuning.refine_margin:
         return None
     tables = [np.maximum.accumulate(np.asarray(t, dtype=np.float64)) for t in (cost.verify_table(), cost.draft_table())]
-    meta = dict(cost.meta, refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen),
+    meta = dict(cost.meta, shape_refits=SHAPE_REFITS,
+                refined_observations=int(cost.meta.get("refined_observations", 0)) + int(seen),
                 refined_from=dict(cost.meta.get("refined_from") or {"kind": "quick" if quick else "full"},
                                   disagreement=round(apart, 4)))
     points = dict(cost.points)
