@@ -12,8 +12,9 @@ windows in a row are apart by more than the tolerance it logs one warning (once 
 of the two is off. The first window is not judged: it holds the start-up steps (first-call allocations).
 One window apart is not enough: while the drift correction catches up (or the load changes, as when a
 burst drains) a window can be 25-70% apart with a good profile on a quiet machine, and a warning there
-sent users to re-measure a profile the runtime was already correcting. A count is judged apart only when the gap is also beyond three standard
-deviations of a Poisson count of the predicted size, so a window with few verified drafts cannot warn.
+sent users to re-measure a profile the runtime was already correcting. A count is judged apart only when
+the gap is also beyond three standard deviations of a Poisson count of the predicted size, so a window
+with few verified drafts cannot warn.
 """
 
 from __future__ import annotations

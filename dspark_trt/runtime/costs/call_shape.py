@@ -36,10 +36,11 @@ the past and moved the depth slope with it (a good profile then drafted deep at 
 attention is the same trap, and a worse one: in the calls a running batch makes (decode rows, verify
 queries of at most max_draft + 1) it is about rows x depth x past, the past's drift again, so refits set
 it anywhere from twice the profile's to 0, often 0 within 30 refits of a mixed open loop. Where it
-dominates, a prompt chunk padded into a wide decode call, the calls are almost never seen (the split
-below keeps them apart); the profile measured them. With it at 0 the split priced a 256-token chunk among
-57 decode rows at 28 ms, packed it, and the call took 1-2.7 s, step after step: whole open-loop runs fell
-to a fifth of their throughput with queue waits of a minute (docs/lab-notes.md, sixth session).
+dominates, a prompt chunk padded into a wide decode call, the calls are almost never seen (the
+verifier's split keeps them apart); the profile measured them. With it at 0 the split priced a 256-token
+chunk among 57 decode rows at 28 ms, packed it, and the call took 1-2.7 s, step after step: whole
+open-loop runs fell to a fifth of their throughput with queue waits of a minute (docs/lab-notes.md,
+sixth session).
 """
 
 from __future__ import annotations
