@@ -97,6 +97,22 @@ def test_completion_equals_offline_generate(rt, client):
     assert r.choices[0].text == want[0]
 
 
+def test_ignore_eos_runs_to_max_tokens(rt, client, monkeypatch):
+    # Make the 4th greedy token an end-of-sequence id: by default the answer stops there, with
+    # ignore_eos (vLLM's field, which open-loop benchmarks send) it runs to max_tokens as offline.
+    from dspark_trt.runtime.config import GenerationConfig
+
+    ids = rt.generate(PROMPTS[0], GenerationConfig(max_new_tokens=12, temperature=0, spec="off"))[0].token_ids
+    monkeypatch.setattr(rt.committer, "eos_ids", frozenset({ids[3]}))
+    stopped = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.usage.completion_tokens <= 4
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 12
+    bad = httpx.post(f"{client.base_url}completions", json={"prompt": "x", "ignore_eos": "yes"})
+    _assert_openai_error(bad, 400, param="ignore_eos")
+
+
 def test_stream_equals_non_stream(rt, client):
     want = _offline(rt, PROMPTS[:2], 20)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0,

@@ -2,10 +2,10 @@
 
 Each request is `POST /v1/completions` with ``stream: true`` (and ``stream_options.include_usage`` for the
 token count), its prompt as token ids (the same tokens as in process), ``spec`` the mode, ``seed`` and
-``temperature`` from the workload. A chunk's arrival is the time a client sees its text. The server may
-stop a request at EOS (the protocol has no ignore-EOS field: ``ignore_eos`` is sent and ignored by servers
-that lack it), so counts come from the server's usage figure, and the queue wait (arrival at the runtime to
-a batch slot) from the `timings` object the server sends beside it.
+``temperature`` from the workload, and ``ignore_eos`` so every answer runs to its drawn length as in process
+(a server without the field would stop at EOS, so counts come from the server's usage figure). A chunk's
+arrival is the time a client sees its text; the queue wait (arrival at the runtime to a batch slot) comes
+from the `timings` object the server sends beside it.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ def _configs(body, rt, ids_list, default: int | None) -> list:
     seed = body.seed if body.seed is not None else (secrets.randbits(31) if temperature > 0 else 0)
     requested, field = body.requested_max_tokens()
     return [GenerationConfig(max_new_tokens=max_new_tokens(requested, field, len(ids), rt.max_context, default),
-                             temperature=temperature, spec=body.spec, seed=int(seed), stop=body.stop_list())
+                             temperature=temperature, spec=body.spec, seed=int(seed), stop=body.stop_list(),
+                             stop_at_eos=not body.ignore_eos)
             for ids in ids_list]
 
 

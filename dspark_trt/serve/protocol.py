@@ -4,7 +4,8 @@ Fields the runtime cannot honour are rejected with a 400 naming the field (never
 other than 1, echo, logprobs, suffix, penalties, logit_bias, top_p other than 1, tools, a response_format
 other than text. Unknown extra fields are ignored, as newer clients send fields older servers lack.
 Integers are strict (1e30, 2.5, "16" and true are not a max_tokens); `seed` is 0..2**64-1; `spec` (a
-dspark extension: off | fixed:K | adaptive) is checked for syntax here and against the artifact later.
+dspark extension: off | fixed:K | adaptive) is checked for syntax here and against the artifact later;
+`ignore_eos` (vLLM's extension) keeps generating past the end-of-sequence token up to max_tokens.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class _Sampling(BaseModel):
     logit_bias: Optional[dict[str, Any]] = None
     user: Optional[StrictStr] = None
     spec: StrictStr = Field(default="adaptive", max_length=32)
+    ignore_eos: StrictBool = False
 
     @field_validator("spec")
     @classmethod
