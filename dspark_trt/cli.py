@@ -187,6 +187,9 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
 @click.option("--rates", default=None,
               help="Open loop: Poisson arrival rates in requests/s (1,2,4), multiples of the measured capacity "
                    "(0.5x,2x), or auto. Replaces the closed loop (--concurrency).")
+@click.option("--capacity", default=None,
+              help="Open loop: the capacity that relative rates (0.5x) multiply, in requests/s or as an earlier "
+                   "run's results.json, instead of measuring it (so 0.5x means the same load in every run).")
 @click.option("--modes", default="off,fixed:1,fixed:2,fixed:3,fixed:4,fixed:5,fixed:6,fixed:7,adaptive")
 @click.option("--num-prompts", default=64, type=click.IntRange(1),
               help="Closed loop: prompts. Open loop: requests per (rate, mode) run, instead of --duration.")
@@ -227,7 +230,7 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
                    "resolve a close pair.")
 @click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
 @click.pass_context
-def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, duration, max_new_tokens, workload,
+def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_prompts, duration, max_new_tokens, workload,
           temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers,
           peer_engines, peer_python, rounds, force):
     """Benchmark every speculation mode: throughput vs concurrency (closed loop), or latency and goodput
@@ -253,12 +256,12 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, modes, num_prompts, du
                              duration=duration,
                              rounds=rounds, seed=seed, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
                              via_http=via_http, api_key=api_key, prompts_file=prompts_file, out_dir=out_dir,
-                             quick=quick, force=force, echo=click.echo, command=command)
+                             quick=quick, force=force, echo=click.echo, command=command, capacity=capacity)
         click.echo(f"wrote {path}")
         return
     from dspark_trt.bench.harness import run_bench
 
-    for name in ("duration", "workload", "slo_ttft_ms", "slo_tpot_ms", "api_key"):
+    for name in ("duration", "workload", "slo_ttft_ms", "slo_tpot_ms", "api_key", "capacity"):
         if given(name):
             raise DsparkError(f"--{name.replace('_', '-')} belongs to the open loop: add --rates (or --via-http)")
     try:

@@ -141,6 +141,37 @@ def test_rates_temperature_and_workload_parsing():
             parse_workload(bad)
 
 
+def test_capacity_is_a_number_or_an_earlier_runs_results(tmp_path):
+    from dspark_trt.bench.options import parse_capacity
+
+    assert parse_capacity(None) is None
+    assert parse_capacity("14.5") == (14.5, "--capacity")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.json").write_text(json.dumps({"kind": "open_loop", "capacity": {"req_s": 9.25}}))
+    assert parse_capacity(str(run / "results.json")) == (9.25, str(run / "results.json"))
+    assert parse_capacity(str(run)) == (9.25, str(run / "results.json"))  # the run's folder will do
+    (tmp_path / "closed.json").write_text(json.dumps({"kind": "closed_loop", "levels": []}))
+    for bad, why in (("0", "positive"), ("-3", "positive"), ("nan", "positive"), ("fast", "requests/s"),
+                     (str(tmp_path / "closed.json"), "no measured capacity")):
+        with pytest.raises(DsparkError, match=why):
+            parse_capacity(bad)
+
+
+def test_given_capacity_replaces_the_probe_and_sets_the_loads(tiny_artifact, tmp_path):
+    from dspark_trt.bench.open_loop import run_open_loop
+
+    said = []
+    out = run_open_loop(tiny_artifact, rates="0.5x,2x", modes="off", workload="short:prompt=8-16,out=4-8",
+                        num_prompts=3, capacity="40", out_dir=tmp_path / "o", warmup=False, echo=said.append)
+    res = json.loads((out / "results.json").read_text())
+    assert res["capacity"]["req_s"] == 40.0 and res["capacity"]["given"] == "--capacity"
+    assert not any("burst" in line for line in said)  # no probe ran
+    assert [e["rate"] for e in res["open_loop"]] == [20.0, 80.0]
+    assert [e["load"] for e in res["open_loop"]] == [0.5, 2.0]
+    assert "Capacity (given (--capacity))" in (out / "results.md").read_text()
+
+
 def test_cli_refuses_a_temperature_mix_in_the_closed_loop(tiny_artifact, tmp_path):
     from click.testing import CliRunner
 
@@ -149,6 +180,8 @@ def test_cli_refuses_a_temperature_mix_in_the_closed_loop(tiny_artifact, tmp_pat
     r = CliRunner().invoke(cli, ["bench", str(tiny_artifact), "--temperature", "0:0.5,1:0.5",
                                  "--out", str(tmp_path)])
     assert r.exit_code != 0 and "needs the open loop" in str(r.exception)
+    r = CliRunner().invoke(cli, ["bench", str(tiny_artifact), "--capacity", "10", "--out", str(tmp_path)])
+    assert r.exit_code != 0 and "--capacity belongs to the open loop" in str(r.exception)
 
 
 # ------------------------------------------------------------------------------------------ workload

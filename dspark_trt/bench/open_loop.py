@@ -4,8 +4,9 @@ Method (docs/open-loop.md)
 - A driver: the Runtime in this process (inprocess.py), or a `dspark-trt serve` subprocess driven over
   HTTP with streaming (http_driver.py, ``via_http``). Both time every delivery of tokens.
 - Capacity: a burst of 2 x max batch requests in mode off, all sent at once; output tok/s while the
-  batch is full over the mean answer length (capacity_from_burst). Rates given as multiples (``0.5x``)
-  are multiples of it; every rate's load (rate / capacity) is recorded.
+  batch is full over the mean answer length (capacity_from_burst), unless given (``capacity``: a number,
+  or an earlier run's results.json, so that 0.5x means the same load in runs on different days). Rates
+  given as multiples (``0.5x``) are multiples of it; every rate's load (rate / capacity) is recorded.
 - For each rate: ``rounds`` rounds; in a round every mode runs the same arrival times (seeded Poisson,
   a run of ``num_prompts`` arrivals or of ``duration`` seconds) and the same requests (workload.py), modes
   in turn, the order rotated each round. A run lasts until its last request is answered.
@@ -22,7 +23,8 @@ import numpy as np
 
 from dspark_trt.bench.arrivals import poisson_arrivals
 from dspark_trt.bench.latency import request_latencies, summarize_open, tokens_between, window_tok_s
-from dspark_trt.bench.options import DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, OPEN_QUICK, parse_modes, parse_rates
+from dspark_trt.bench.options import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, OPEN_QUICK, parse_capacity,
+                                      parse_modes, parse_rates)
 from dspark_trt.bench.workload import build_requests, parse_temperature, parse_workload
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import fixed_k_limit
@@ -35,7 +37,8 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
                   duration: float | None = None, rounds: int = 1, seed: int = 0, slo_ttft_ms: float | None = None,
                   slo_tpot_ms: float | None = None, via_http: bool = False, api_key: str | None = None,
                   prompts_file=None, out_dir="bench-results", quick: bool = False, force: bool = False, echo=None,
-                  progress: bool = True, command: str | None = None, warmup: bool = True) -> Path:
+                  progress: bool = True, command: str | None = None, warmup: bool = True,
+                  capacity=None) -> Path:
     """Run the open loop and write results.json (``open_loop`` list), results.md and latency.png."""
     from dspark_trt.bench.open_report import goals, plot_latency, write_open
     from dspark_trt.bench.options import resolve_out_dir
@@ -49,6 +52,7 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
     if duration is not None and not duration > 0:
         raise DsparkError(f"--duration must be > 0 seconds, got {duration}")
     rate_list = parse_rates(rates, quick)
+    given_capacity = parse_capacity(capacity)
     wl = parse_workload(workload)
     temps = parse_temperature(temperature)
     slo_ttft = DEFAULT_SLO_TTFT_MS if slo_ttft_ms is None else float(slo_ttft_ms)
@@ -86,7 +90,8 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
                 "of each kind", "temperature": [{"value": t, "weight": w} for t, w in temps],
                 "rates_requested": str(rates), "modes": mode_list, "rounds": int(rounds), "seed": int(seed),
                 "num_prompts": num_prompts, "duration_s": duration, "slo_ttft_ms": slo_ttft, "slo_tpot_ms": slo_tpot,
-                "max_batch": max_batch, "max_draft": max_draft, "quick": bool(quick)}
+                "max_batch": max_batch, "max_draft": max_draft, "quick": bool(quick),
+                "capacity_given": given_capacity[1] if given_capacity else None}
     result = {"format": "dspark-trt/bench", "version": 1, "kind": "open_loop", "complete": False, "env": None,
               "settings": settings, "notes": [], "capacity": None, "open_loop": [], "goals": []}
     if via_http and backend != "ort":
@@ -95,11 +100,17 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
         result["env"] = _env(drive.runtime, manifest, backend, artifact_dir, command or _command(), False)
         if warmup:
             drive.warmup(requests(999, max(len(mode_list), 4)), mode_list)
-        probe_items = requests(998, max(16, 2 * max_batch))
-        recs, wall = drive.run(probe_items, np.zeros(len(probe_items)), "off")
-        result["capacity"] = capacity_from_burst(recs, wall, max_batch)
-        cap = result["capacity"]["req_s"]
-        say(f"capacity (mode off, burst of {len(probe_items)}): {cap or 0:.2f} req/s")
+        if given_capacity is not None:
+            cap, source = given_capacity
+            result["capacity"] = {"req_s": cap, "tok_s": None, "mode": None, "given": source,
+                                  "method": f"given ({source}), not measured in this run"}
+            say(f"capacity (given, {source}): {cap:.2f} req/s")
+        else:
+            probe_items = requests(998, max(16, 2 * max_batch))
+            recs, wall = drive.run(probe_items, np.zeros(len(probe_items)), "off")
+            result["capacity"] = capacity_from_burst(recs, wall, max_batch)
+            cap = result["capacity"]["req_s"]
+            say(f"capacity (mode off, burst of {len(probe_items)}): {cap or 0:.2f} req/s")
         rows = _rates(rate_list, cap)
         if not rows:
             raise DsparkError("no rate to run: the capacity probe completed no request, so relative rates "

@@ -73,9 +73,10 @@ def render_open(result: dict) -> str:
                                             f"{s['num_prompts']} requests" if s.get("num_prompts") else "") if x)
     length += ")" if "(" in length else ""
     cap = result.get("capacity") or {}
+    how = f"given ({cap['given']})" if cap.get("given") else "mode off, burst"
     L += [f"Workload {s['workload']}; temperature {temps}; Poisson arrivals (seed {s['seed']}), {length} per "
           f"(rate, mode), {s['rounds']} round(s), modes interleaved; SLO: TTFT <= {s['slo_ttft_ms']:g} ms and "
-          f"TPOT <= {s['slo_tpot_ms']:g} ms. Capacity (mode off, burst): {_fmt(cap.get('req_s'), '.2f')} req/s, "
+          f"TPOT <= {s['slo_tpot_ms']:g} ms. Capacity ({how}): {_fmt(cap.get('req_s'), '.2f')} req/s, "
           f"{_fmt(cap.get('tok_s'))} tok/s.", ""]
     L += [f"- {n}" for n in result.get("notes", [])] + ([""] if result.get("notes") else [])
     L += ["## Results (latencies in ms, p50 / p90 / p99)", "",

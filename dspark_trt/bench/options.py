@@ -115,3 +115,35 @@ def parse_rates(value, quick: bool = False) -> list[tuple[float, bool]]:
                               f"the measured capacity such as 0.5x; e.g. 1,2,4 or 0.5x,2x or auto)")
         out.append((r, rel))
     return sorted(set(out), key=lambda x: (x[1], x[0]))
+
+
+def parse_capacity(value) -> tuple[float, str] | None:
+    """--capacity: requests/s ('14.1'), or an earlier open-loop results.json (its measured capacity), so that
+    relative rates mean the same in runs on different days. (capacity req/s, where it came from); None
+    when not given; a bad value is a DsparkError."""
+    if value is None:
+        return None
+    import json
+    from pathlib import Path
+
+    text = str(value).strip()
+    try:
+        cap = float(text)
+    except ValueError:
+        path = Path(text)
+        if path.is_dir():
+            path = path / "results.json"
+        if not path.is_file():
+            raise DsparkError(f"--capacity {value!r}: give requests/s (e.g. 14.1) or an open-loop results.json "
+                              "(or its folder)") from None
+        try:
+            cap = float(json.loads(path.read_text())["capacity"]["req_s"])
+        except (ValueError, KeyError, TypeError):
+            raise DsparkError(f"--capacity {value!r}: {path} holds no measured capacity (capacity.req_s of an "
+                              "open-loop `dspark-trt bench --rates` run)") from None
+        source = str(path)
+    else:
+        source = "--capacity"
+    if not (cap > 0 and cap < float("inf")):
+        raise DsparkError(f"--capacity {value!r}: the capacity must be a positive number of requests/s")
+    return cap, source
