@@ -318,6 +318,10 @@ def test_in_process_runs_record_what_the_runtime_decided_and_predicted(tiny_arti
         records, wall = run_inprocess(rt, items, [0.0, 0.01, 0.02], "fixed:2")
     assert wall > 0 and all(r["ok"] and r["generated_tokens"] == 12 for r in records)
     assert all(r["spec"]["generated"] == 12 and r["spec"]["steps"] >= 1 for r in records)
+    # Delivery times are the runtime's stamps, one per step that delivered: never two at once (an ITL of 0).
+    for r in records:
+        t = r["token_times_s"]
+        assert len(t) == len(r["token_counts"]) and all(b > a for a, b in zip(t, t[1:])), t
     stats = _spec_stats(records)
     steps = sum(r["spec"]["steps"] for r in records)
     assert stats["tau"] == pytest.approx(3 * 11 / steps) and 1.0 <= stats["tau"] <= 3.0  # fixed:2: at most 3 a step

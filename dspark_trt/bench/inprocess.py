@@ -40,6 +40,9 @@ def run_inprocess(rt, items, arrivals, mode: str, poll_s: float = 0.002) -> tupl
             rec["token_counts"].append(len(ids))
             n += len(ids)
         rec["generated_tokens"] = n
+        if len(req.delivered) == len(times):
+            # The runtime's own stamps: a reader that waited for the GIL would have seen two deliveries at once.
+            times[:] = [d - t0 for d in req.delivered]
         st = req.stats
         # What the runtime decided and predicted for this request (summed per (rate, mode) in open_loop._entry).
         rec["spec"] = {"steps": st.steps, "generated": st.generated, "predicted_accepted": st.predicted_accepted,

@@ -77,6 +77,7 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     done: threading.Event = field(default_factory=threading.Event)
     pieces: "queue.Queue | None" = None  # committed token ids for streaming, None when not streaming
+    delivered: list = field(default_factory=list)  # perf_counter of each put on `pieces` (exact delivery times)
     prefill_wait: int = 0  # steps its prompt has waited to share a prefill call (prefill_batching.py)
 
     def __post_init__(self):

@@ -71,6 +71,7 @@ class Committer:
         r.stats.generated += len(new)
         self.metrics.output_tokens += len(new)
         if r.pieces is not None and new:
+            r.delivered.append(now)
             r.pieces.put(new)
         if r.config.stop and self._hit_stop_string(r):
             reason = "stop"
