@@ -79,6 +79,8 @@ def _env(rt, manifest: dict, backend: str, artifact_dir, command: str, peers: bo
         "backend": backend,
         "ort_providers": [s.get_providers() for s in getattr(getattr(rt, "backend", None), "sessions", {}).values()][:1]
         or None,
+        "ort_spinning": getattr(getattr(rt, "backend", None), "spin_reason", None) and {
+            "spinning": rt.backend.spinning, "why": rt.backend.spin_reason},
         "artifact": {
             "dir": str(Path(artifact_dir).resolve()),
             "model": {k: manifest.get("model", {}).get(k) for k in ("arch", "num_layers", "vocab_size", "dtype")},

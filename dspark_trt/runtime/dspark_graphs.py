@@ -34,25 +34,25 @@ class OrtDsparkGraphs:
 
     max_context_rows = None  # one context call takes any number of tokens
 
-    def __init__(self, paths: dict, threads: int | None = None, where=None):
+    def __init__(self, paths: dict, threads: int | None = None, where=None, spin: bool = False):
         from dspark_trt.runtime.backends.ort import open_session, session_options
 
-        # The backend's options: with spinning intra-op pools these sessions kept the cores busy between
-        # their calls and the target's verify ran 2-3x slower (measured on 2 cores).
-        opts = session_options(threads)
+        # The backend's options (spin: its decision, backends/ort.py): spinning pools that did not stop at
+        # the end of a run kept the cores busy between these calls and the target's ran 2-3x slower.
+        opts = session_options(threads, spin)
         self.sessions = {g: open_session(Path(p), opts) for g, p in paths.items() if p is not None}
         self.where = where if where is not None else Path(paths[BLOCK_GRAPH]).parent
         self.calls = Counter()
 
     @classmethod
-    def from_manifest(cls, artifact_dir, manifest, threads: int | None = None) -> "OrtDsparkGraphs":
+    def from_manifest(cls, artifact_dir, manifest, threads: int | None = None, spin: bool = False) -> "OrtDsparkGraphs":
         """The graphs' ORT flavour where the artifact has one (the block pass fused; DSPARK_ORT_GRAPHS)."""
         from dspark_trt.runtime.backends.ort import graph_file, graph_flavour
 
         flavour = graph_flavour()
         return cls({g: Path(artifact_dir) / graph_file(manifest, g, flavour)
                     for g in (DSPARK_CONTEXT_GRAPH, BLOCK_GRAPH, DSPARK_SAMPLE_GRAPH) if g in manifest["graphs"]},
-                   threads, where=artifact_dir)
+                   threads, where=artifact_dir, spin=spin)
 
     def has(self, graph: str) -> bool:
         return graph in self.sessions

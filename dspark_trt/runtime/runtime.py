@@ -125,7 +125,8 @@ class Runtime:
 
             # the backend's own engines where it has them (trt), else ONNX Runtime sessions
             on_backend = getattr(self.backend, "dspark_graphs", None)
-            graphs = on_backend() if on_backend else OrtDsparkGraphs.from_manifest(self.artifact_dir, self.manifest)
+            graphs = on_backend() if on_backend else OrtDsparkGraphs.from_manifest(
+                self.artifact_dir, self.manifest, spin=getattr(self.backend, "spinning", False))
             drafting = DsparkDrafting(graphs, num_slots=self.slots_total, max_context=self.max_context,
                                       make_cache=make_cache, dtype=kv_dtype)
             return DsparkDrafter(drafting, self.tuning, limits, self.survival_correction, self.costs, self.metrics)

@@ -51,7 +51,34 @@ def open_session(path: Path, opts):
         raise DsparkError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}") from None
 
 
-def session_options(threads: int | None = None):
+# Busy share of all cores under which the machine counts as idle at load (DSPARK_ORT_SPIN=auto): `yes`
+# beside the server on 2 cores reads ~0.5, an idle VM 0.01-0.05.
+SPIN_IDLE_BELOW = 0.2
+
+
+def spin_decision(probe=None) -> tuple[bool, str]:
+    """Whether ONNX Runtime's threads spin within a run, and why (DSPARK_ORT_SPIN: auto (default), 1, 0).
+
+    Threads that sleep between parallel sections wake late: on an idle 2-core VM spinning within a run
+    (and stopping at its end, force_spinning_stop) gave 1.29x plain decoding at 1 request, 1.13-1.16x
+    speculation, 1.07-1.13x at 16 requests; with a CPU-heavy job on the same cores it lost 10-20% (lab
+    notes, 2026-12-03). So auto spins when the cores were idle at load (cpu_load.busy_fraction below
+    SPIN_IDLE_BELOW). The decision holds for the sessions' life: a job that starts later meets a
+    spinning server (DSPARK_ORT_SPIN=0 on machines shared that way)."""
+    mode = os.environ.get("DSPARK_ORT_SPIN", "auto").strip().lower()
+    if mode in ("0", "1"):
+        return mode == "1", f"DSPARK_ORT_SPIN={mode}"
+    if mode != "auto":
+        raise DsparkError(f"DSPARK_ORT_SPIN={mode!r}: use auto (spin when the cores are idle at load), 1 or 0")
+    if probe is None:
+        from dspark_trt.runtime.backends.cpu_load import busy_fraction as probe
+    busy = probe()
+    if busy is None:
+        return False, "auto: the machine's load is unknown here"
+    return busy < SPIN_IDLE_BELOW, f"auto: cores {busy:.0%} busy at load"
+
+
+def session_options(threads: int | None = None, spin: bool = False):
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
@@ -59,16 +86,12 @@ def session_options(threads: int | None = None):
     opts.log_severity_level = 3
     if threads:
         opts.intra_op_num_threads = threads
-    # Two sessions (draft, target) run alternately, each with its own intra-op pool. Spinning idle
-    # threads of one pool would steal the cores the other is about to use, so threads sleep when
-    # idle (measured here: about 1.7x faster engine steps when the sessions alternate).
-    # DSPARK_ORT_SPIN=1 spins within a run and stops at its end (force_spinning_stop): 1.14x plain
-    # decoding at 1 and 16 requests on an idle 2-core machine, but 0.66-0.93x with another job on the
-    # cores (lab notes, 2026-12-02), so it is for machines that serve nothing else.
-    spin = os.environ.get("DSPARK_ORT_SPIN", "0")
-    opts.add_session_config_entry("session.intra_op.allow_spinning", spin)
-    opts.add_session_config_entry("session.inter_op.allow_spinning", spin)
-    if spin == "1":
+    # Two sessions (draft, target) run alternately, each with its own intra-op pool: threads that spin
+    # stop at the end of each run (force_spinning_stop), so one pool never spins while the other runs.
+    value = "1" if spin else "0"
+    opts.add_session_config_entry("session.intra_op.allow_spinning", value)
+    opts.add_session_config_entry("session.inter_op.allow_spinning", value)
+    if spin:
         opts.add_session_config_entry("session.force_spinning_stop", "1")
     return opts
 
@@ -81,7 +104,8 @@ class OrtBackend:
             raise DsparkError("ONNX Runtime has no bfloat16 kernels for these graphs (MatMul) and no numpy "
                               "bfloat16 inputs: run a bf16 artifact with --backend trt (or torch), or export "
                               "with --dtype fp16 / fp32 for ort")
-        opts = session_options(threads)
+        self.spinning, self.spin_reason = spin_decision()
+        opts = session_options(threads, self.spinning)
         self.sessions = {}
         self.outputs = {}
         # A DSpark drafter's graphs run in its own drafter phase (runtime/dspark_drafting.py).

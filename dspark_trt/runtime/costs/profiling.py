@@ -149,7 +149,8 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
               for (q, past), t in zip(layouts, timings)]
     meta = dict(profile_meta(rt.manifest, rt.backend.name), past=p.past, spread=round(stats["spread"], 4),
                 spread_max=round(stats["spread_max"], 4), rounds=stats["rounds"],
-                load={"before": load_before, "after": _loadavg()})
+                load={"before": load_before, "after": _loadavg()},
+                ort_spinning=getattr(rt.backend, "spinning", None))  # information only: not part of the match
     return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=max_batch,
                                        shape_points=shapes)
 
