@@ -230,8 +230,8 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
                    "resolve a close pair.")
 @click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
 @click.pass_context
-def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_prompts, duration, max_new_tokens, workload,
-          temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers,
+def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_prompts, duration, max_new_tokens,
+          workload, temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers,
           peer_engines, peer_python, rounds, force):
     """Benchmark every speculation mode: throughput vs concurrency (closed loop), or latency and goodput
     under Poisson arrivals (open loop: --rates, --via-http)."""

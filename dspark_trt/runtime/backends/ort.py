@@ -61,7 +61,7 @@ def spin_decision(probe=None) -> tuple[bool, str]:
 
     Threads that sleep between parallel sections wake late: on an idle 2-core VM spinning within a run
     (and stopping at its end, force_spinning_stop) gave 1.29x plain decoding at 1 request, 1.13-1.16x
-    speculation, 1.07-1.13x at 16 requests; with a CPU-heavy job on the same cores it lost 10-20% (lab
+    speculation, 1.07-1.13x at 16 requests; with a CPU-heavy job on the same cores it lost 5-23% (lab
     notes, 2026-12-03). So auto spins when the cores were idle at load (cpu_load.busy_fraction below
     SPIN_IDLE_BELOW). The decision holds for the sessions' life: a job that starts later meets a
     spinning server (DSPARK_ORT_SPIN=0 on machines shared that way)."""
