@@ -59,3 +59,34 @@ def test_sessions_carry_the_decision(tiny_artifact, monkeypatch, setting):
         assert opts.get_session_config_entry("session.intra_op.allow_spinning") == setting
         if setting == "1":  # spinning stops at the end of each run, so draft and target never both spin
             assert opts.get_session_config_entry("session.force_spinning_stop") == "1"
+
+
+def test_each_thread_regime_keeps_its_own_cost_profile(tiny_artifact, tmp_path, monkeypatch):
+    """Spinning threads time small calls far faster than sleeping ones: a profile of one regime would mislead
+    the other (a sleeping-thread profile priced draft calls 3x too dear for spinning threads)."""
+    import shutil
+
+    import numpy as np
+
+    from dspark_trt.runtime import Runtime
+    from dspark_trt.runtime.costs import profiling
+    from dspark_trt.runtime.costs.table import CostTable
+
+    art = tmp_path / "art"
+    shutil.copytree(tiny_artifact, art)
+    for old in art.glob("cost_profile*.json"):
+        old.unlink()
+    measured = []
+
+    def fake_profile(rt, **kw):
+        measured.append(rt.profile_name)
+        meta = dict(profiling.profile_meta(rt.manifest, rt.profile_name), spread=0.05)
+        return CostTable(np.arange(rt.max_tokens_per_step + 1.0), np.arange(rt.slots_total + 1.0) * 0.1, meta)
+
+    monkeypatch.setattr(profiling, "quick_or_full_profile", fake_profile)
+    for setting, name in (("1", "ort.spin"), ("0", "ort"), ("1", "ort.spin")):
+        monkeypatch.setenv("DSPARK_ORT_SPIN", setting)
+        Runtime.load(art).close()
+        assert profiling.profile_path(art, name).is_file()
+    assert measured == ["ort.spin", "ort"]  # the third load found the spinning profile
+    assert sorted(p.name for p in art.glob("cost_profile*.json")) == ["cost_profile.json", "cost_profile.ort.spin.json"]

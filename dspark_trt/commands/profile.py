@@ -31,6 +31,6 @@ def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5, conte
         if why and not force:
             raise DsparkError(f"cost profile not saved: {why}; profile again on a quieter machine, "
                               f"or pass --force to save it anyway")
-        return table.save(profile_path(artifact_dir, backend))
+        return table.save(profile_path(artifact_dir, rt.profile_name))
     finally:
         rt.close()

@@ -66,6 +66,7 @@ class Runtime:
         self.artifact_dir = Path(artifact_dir)
         self.manifest = manifest
         self.backend = backend
+        self.profile_name = getattr(backend, "name", None)  # names its cost profile (costs/profiling.py profile_path); load() refines it
         self.tokenizer = tokenizer
         lim = manifest["limits"]
         self.slots_total = int(lim["max_batch"])
@@ -176,11 +177,16 @@ class Runtime:
         # the backend first: it says what to install or build, if anything
         be = make_backend(backend, artifact_dir, manifest, **(backend_options or {}))
         verify_artifact(artifact_dir, manifest)  # a file changed after export -> DsparkError naming it
+        # The cost profile's name: spinning ORT threads time small calls 1.3-3x faster than sleeping ones, so
+        # each regime keeps a profile of its own (backends/ort.py spin_decision); options name it too.
+        if getattr(be, "spinning", False):
+            backend = f"{backend}.spin"
         if backend_options:
             backend = ".".join([backend, *(str(v).replace(":", "") for _, v in sorted(backend_options.items()))])
         tok = load_tokenizer(Path(artifact_dir) / manifest.get("tokenizer", {}).get("file", "tokenizer.json"))
         rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate,
                  tuning=tuning, max_context=max_context)
+        rt.profile_name = backend
         if profile != "none":
             from dspark_trt.runtime.costs.profiling import load_or_profile
 

@@ -290,7 +290,7 @@ def persist_refined(rt) -> Path | None:
         # model is fitted again from them at the next load.
         points["verify_shapes"] = [[*row[:4], shape.ms(*(int(v) for v in row[:4]))] for row in points["verify_shapes"]]
     try:
-        return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, rt.backend.name))
+        return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, getattr(rt, "profile_name", rt.backend.name)))
     except OSError:
         return None  # a read-only artifact: refine again next time
 
