@@ -63,9 +63,12 @@ def test_generate_prints_text_and_speedup(tiny_artifact, tmp_path):
     assert "class A:" in out.stdout and "speed-up" in out.stdout and "identical" in out.stdout
 
 
-def test_profile_writes_a_cost_profile(tiny_artifact):
+def test_profile_writes_a_cost_profile(tiny_artifact, monkeypatch):
     # --force: the machine running the suite may be busy enough for the spread refusal (specified with fake
-    # timings in test_robust_profile.py); this test is about what a profile holds.
+    # timings in test_robust_profile.py); this test is about what a profile holds. Sleeping threads: the
+    # profile's name then does not depend on how busy the machine is (spinning ones write
+    # cost_profile.ort.spin.json, tests/test_ort_threads.py).
+    monkeypatch.setenv("DSPARK_ORT_SPIN", "0")
     out = run("profile", str(tiny_artifact), "--repeats", "1", "--force")
     assert out.returncode == 0, out.stderr
     prof = json.loads((tiny_artifact / "cost_profile.json").read_text())

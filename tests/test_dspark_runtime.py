@@ -221,7 +221,8 @@ def test_generate_compare_on_a_dspark_artifact(artifact, tmp_path):
     summary = json.loads(out.stdout)["summary"]
     assert summary["identical_to_off"] is True and summary["output_tokens"] > 0
     # the cost profile was measured at load (and saved, unless the machine was too busy for a steady one)
-    assert (art / "cost_profile.json").is_file() or "cost profile not saved" in out.stderr
+    # (cost_profile.json, or cost_profile.ort.spin.json where the idle machine's threads spin)
+    assert any(art.glob("cost_profile*.json")) or "cost profile not saved" in out.stderr
 
 
 def test_a_request_that_does_not_draft_costs_no_context_call(artifact):
