@@ -293,7 +293,9 @@ def test_quick_via_http_smoke_run_under_a_minute(tiny_artifact, tmp_path):
         for key in ("ttft_ms", "tpot_ms", "itl_ms"):
             assert set(e[key]) == {"p50", "p90", "p99"}
             assert e[key]["p50"] <= e[key]["p90"] <= e[key]["p99"]
-        assert e["failed"] == 0 and e["completed"] >= 1 and e["output_tok_s"] > 0  # the key reached the server
+        # the key reached the server; (the arrival-window rate may be 0 at the overloading rate of so short a
+        # run: every first token can come after the last of its ~1 s of arrivals)
+        assert e["failed"] == 0 and e["completed"] >= 1 and e["output_tok_s_whole_run"] > 0 <= e["output_tok_s"]
         assert 0 < e["goodput"] <= e["req_s"] + 1e-9
         q = e["queue_wait_ms"]  # the server's own figure, sent beside usage
         assert q["p50"] is not None and 0 <= q["p50"] <= q["p99"]
