@@ -116,7 +116,7 @@ class _Cache:
 
 
 def test_measure_records_the_machines_load_and_the_spread(monkeypatch):
-    loads = iter([(1.0, 0.5, 0.25), (2.0, 1.0, 0.5)])
+    loads = iter([(1.0, 0.5, 0.25), (2.0, 1.0, 0.5)] * 2)
     monkeypatch.setattr(profiling.os, "getloadavg", lambda: next(loads))
     layouts = [([1], 4), ([2, 1], 4), ([4], 4), ([1, 1], 32), ([3, 3], 32)]
     monkeypatch.setattr(profiling, "shape_layouts", lambda rt: layouts)
@@ -134,6 +134,10 @@ def test_measure_records_the_machines_load_and_the_spread(monkeypatch):
     assert table.meta["load"] == {"before": [1.0, 0.5, 0.25], "after": [2.0, 1.0, 0.5]}
     assert table.meta["cpu_count"] == profiling.os.cpu_count()
     assert table.meta["spread"] == 0.0 and table.meta["rounds"] == 2
+    assert table.meta["backend"] == "ort"
+    # keyed by the runtime's profile name (its thread regime), so the next load matches what was saved
+    rt.profile_name = "ort.spin"
+    assert profiling.measure(rt, repeats=2, progress=False).meta["backend"] == "ort.spin"
 
 
 def test_the_profile_command_refuses_a_wide_spread_unless_forced(tiny_artifact, tmp_path, monkeypatch):

@@ -66,7 +66,7 @@ class Runtime:
         self.artifact_dir = Path(artifact_dir)
         self.manifest = manifest
         self.backend = backend
-        self.profile_name = getattr(backend, "name", None)  # names its cost profile (costs/profiling.py profile_path); load() refines it
+        self.profile_name = getattr(backend, "name", None)  # its cost profile's name; load() refines it
         self.tokenizer = tokenizer
         lim = manifest["limits"]
         self.slots_total = int(lim["max_batch"])

@@ -27,6 +27,12 @@ def profile_path(artifact_dir, backend: str) -> Path:
     return Path(artifact_dir) / name
 
 
+def profile_name(rt) -> str:
+    """The name a runtime's profile is saved and matched under (Runtime.profile_name: the backend, its thread
+    regime and options), or the backend's name for runtimes built without load()."""
+    return getattr(rt, "profile_name", None) or rt.backend.name
+
+
 def profile_meta(manifest: dict, backend: str) -> dict:
     files = manifest.get("files", {})
     return {"artifact": {k: v.get("sha256") for k, v in sorted(files.items())}, "backend": backend,
@@ -147,10 +153,9 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
                 bar.update(1)
     shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, p.shape_quantile))]
               for (q, past), t in zip(layouts, timings)]
-    meta = dict(profile_meta(rt.manifest, rt.backend.name), past=p.past, spread=round(stats["spread"], 4),
+    meta = dict(profile_meta(rt.manifest, profile_name(rt)), past=p.past, spread=round(stats["spread"], 4),
                 spread_max=round(stats["spread_max"], 4), rounds=stats["rounds"],
-                load={"before": load_before, "after": _loadavg()},
-                ort_spinning=getattr(rt.backend, "spinning", None))  # information only: not part of the match
+                load={"before": load_before, "after": _loadavg()})
     return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=max_batch,
                                        shape_points=shapes)
 
@@ -238,7 +243,7 @@ def quick_or_full_profile(rt, repeats: int | None = None, progress: bool = True,
     mid = [t for t in verify_at if t not in vp]
     vp.update(dict(zip(mid, ([v] for v in _probe_verify(rt, mid)))))
     dp = {b: [ms] for b, ms in zip(draft_at, _probe_draft(rt, draft_at))}
-    meta = dict(profile_meta(rt.manifest, rt.backend.name), quick=True)
+    meta = dict(profile_meta(rt.manifest, profile_name(rt)), quick=True)
     return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=rt.slots_total)
 
 
@@ -290,7 +295,7 @@ def persist_refined(rt) -> Path | None:
         # model is fitted again from them at the next load.
         points["verify_shapes"] = [[*row[:4], shape.ms(*(int(v) for v in row[:4]))] for row in points["verify_shapes"]]
     try:
-        return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, getattr(rt, "profile_name", rt.backend.name)))
+        return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, profile_name(rt)))
     except OSError:
         return None  # a read-only artifact: refine again next time
 
