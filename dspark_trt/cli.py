@@ -110,11 +110,14 @@ def generate(artifact_dir, prompts, prompts_file, backend, spec, temperature, ma
 @click.option("--context", default=None, type=int,
               help="Cached tokens per row in the profiled calls (default 128; a serving context is more realistic).")
 @click.option("--force", is_flag=True, help="Save the profile even if its timings spread too much (busy machine).")
-def profile(artifact_dir, backend, repeats, context, force):
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="Write the profile here instead of next to the artifact, which keeps its own "
+                   "(e.g. one recorded under load, for `bench --start-profile`); never overwrites a file.")
+def profile(artifact_dir, backend, repeats, context, force, out):
     """Measure verify/draft step costs and save cost_profile.json."""
     from dspark_trt.commands.profile import profile_artifact
 
-    path = profile_artifact(artifact_dir, backend=backend, repeats=repeats, context=context, force=force)
+    path = profile_artifact(artifact_dir, backend=backend, repeats=repeats, context=context, force=force, out=out)
     click.echo(f"wrote {path}")
 
 
@@ -229,10 +232,13 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
                    "confidence interval (94% at 5); many rounds of two modes (--modes fixed:2,adaptive) "
                    "resolve a close pair.")
 @click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
+@click.option("--start-profile", default=None, type=click.Path(dir_okay=False),
+              help="Closed loop: every run starts cold from this cost profile on a runtime of its own "
+                   "(recovery from a wrong profile; `dspark-trt profile --out FILE` records one).")
 @click.pass_context
 def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_prompts, duration, max_new_tokens,
           workload, temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers,
-          peer_engines, peer_python, rounds, force):
+          peer_engines, peer_python, rounds, force, start_profile):
     """Benchmark every speculation mode: throughput vs concurrency (closed loop), or latency and goodput
     under Poisson arrivals (open loop: --rates, --via-http)."""
     command = "dspark-trt " + " ".join(_redact_secrets(sys.argv[1:]))
@@ -245,7 +251,7 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_p
         from dspark_trt.bench.open_loop import run_open_loop
         from dspark_trt.bench.options import DEFAULT_MODES, OPEN_QUICK
 
-        for name in ("concurrency", "max_new_tokens", "peers", "peer_engines", "peer_python"):
+        for name in ("concurrency", "max_new_tokens", "peers", "peer_engines", "peer_python", "start_profile"):
             if given(name):
                 raise DsparkError(f"--{name.replace('_', '-')} belongs to the closed loop; the open loop (--rates, "
                                   f"--via-http) takes arrival rates, and output lengths from --workload")
@@ -275,7 +281,7 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_p
                      max_new_tokens=max_new_tokens, temperature=temp, seed=seed, prompts_file=prompts_file,
                      out_dir=out_dir, quick=quick, peers=peers or given("peer_engines") or given("peer_python"),
                      echo=click.echo, rounds=rounds, force=force, command=command, peer_engines=peer_engines,
-                     peer_python=peer_python)
+                     peer_python=peer_python, start_profile=start_profile)
     click.echo(f"wrote {path}")
 
 

@@ -8,8 +8,8 @@ import time
 
 import numpy as np
 
-from dspark_trt.bench.latency import median_interval, steady_window, summarize_requests
-from dspark_trt.bench.options import WARMUP_TOKENS
+from dspark_trt.bench.latency import first_tokens_rate, median_interval, steady_window, summarize_requests
+from dspark_trt.bench.options import FIRST_TOKENS, WARMUP_TOKENS
 from dspark_trt.errors import DsparkError
 
 
@@ -152,6 +152,7 @@ def _summary(runs: list[dict], concurrency: list[int]) -> list[dict]:
         off = rows.get("off")
         ad = rows.get("adaptive")
         top = max([r for r in (off, best) if r is not None], key=lambda r: r["output_tok_s"], default=None)
+        first = [r["first_tokens_tok_s"] for r in (off, *fixed) if r is not None and r.get("first_tokens_tok_s")]
         held, picks, held_rounds = _held_out(ad, [r for r in (off, *fixed) if r is not None])
         interval = median_interval(held_rounds)
         out.append({
@@ -169,6 +170,9 @@ def _summary(runs: list[dict], concurrency: list[int]) -> list[dict]:
             "adaptive_over_best_held_out_coverage": interval[2] if interval else None,
             "engine_drift": _engine_drift(rows.values()),
             "adaptive_over_off": ad["output_tok_s"] / off["output_tok_s"] if ad and off and off["output_tok_s"] else None,
+            "first_tokens": FIRST_TOKENS,
+            "adaptive_over_best_first_tokens": (ad["first_tokens_tok_s"] / max(first)
+                                                if ad and ad.get("first_tokens_tok_s") and first else None),
         })
     return out
 
@@ -234,6 +238,9 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
         # one mode moves a sum of rounds by its whole size, the median little.
         row["output_tok_s"] = float(np.median(row["round_output_tok_s"]))
         row["round_output_tok_s_whole_run"] = whole
+        first = [first_tokens_rate(run.get("timeline", []), run["requests"], FIRST_TOKENS) for run in runs]
+        row["round_first_tokens_tok_s"] = first
+        row["first_tokens_tok_s"] = float(np.median(first)) if all(x is not None for x in first) else None
         row["round_engine_speed"] = [_engine_speed(run["step_log"], cost) for run in runs] if cost is not None else []
         # The runtime's online survival recalibration after this cell (learned from every mode so far).
         row["survival_correction"] = runs[-1].get("survival_correction")

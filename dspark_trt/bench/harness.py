@@ -45,7 +45,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
               temperature: float = 0.0, seed: int = 0, prompts_file=None, out_dir="bench-results",
               quick: bool = False, peers: bool = False, echo=None, *, rounds: int = 1, force: bool = False,
               progress: bool = True, command: str | None = None, warmup: bool = True, peer_engines: str = "auto",
-              peer_python: str | None = None) -> Path:
+              peer_python: str | None = None, start_profile=None) -> Path:
     """Run the benchmark and write results.json, results.md and throughput.png; returns their directory.
 
     ``quick`` replaces concurrency, modes, num_prompts and max_new_tokens by :data:`QUICK` where they
@@ -56,6 +56,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
     workers run by ``peer_python``, default this Python). ``rounds`` repeats each concurrency's
     interleaved pass over the modes. ``force`` overwrites results already in ``out_dir`` (default: write
     into a new timestamped subdirectory). ``command`` overrides the recorded command line.
+    ``start_profile``: a cost profile file every run starts cold from, each (mode, round) on a runtime of its
+    own on the warmed-up engines (:mod:`dspark_trt.bench.start_profile`); no oracle.
     """
     from dspark_trt.runtime.runtime import load_manifest
 
@@ -71,7 +73,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
     args = dict(artifact_dir=artifact_dir, backend=backend, concurrency=concurrency, modes=modes,
                 num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                 prompts_file=prompts_file, out_dir=out_dir, peers=peers, peer_engines=peer_engines,
-                peer_python=peer_python)
+                peer_python=peer_python, start_profile=start_profile)
     quick_modes = bool(quick) and str(modes) == DEFAULT_MODES
     if quick:
         concurrency, modes, num_prompts, max_new_tokens = apply_quick(concurrency, modes, num_prompts, max_new_tokens)
@@ -80,6 +82,12 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
     if not quick_modes:
         parse_modes(modes)
     manifest = load_manifest(artifact_dir)
+    if start_profile is not None:
+        from dspark_trt.bench.start_profile import check_start_profile, cold_runtime, runtime_from
+
+        if peers:
+            raise DsparkError("--start-profile measures our modes from a cold start; run --peers separately")
+        start_profile = check_start_profile(start_profile, manifest)
     lim = manifest["limits"]
     max_batch, max_draft, max_context = int(lim["max_batch"]), int(lim["max_draft"]), int(lim["max_context"])
     if quick_modes:
@@ -131,7 +139,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": int(seed),
                 "rounds": int(rounds), "concurrency": levels, "modes": mode_list,
                 "concurrency_requested": str(concurrency), "max_batch": max_batch, "max_draft": max_draft,
-                "requests_per_run": {c: requests_per_run(len(prompts), c) for c in levels}}
+                "requests_per_run": {c: requests_per_run(len(prompts), c) for c in levels},
+                "start_profile": str(start_profile) if start_profile is not None else None}
     peer_list = []
     if peers:
         from dspark_trt.bench import peer_runs
@@ -145,16 +154,21 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
 
     from dspark_trt.runtime.runtime import Runtime
 
-    rt = Runtime.load(artifact_dir, backend=backend, profile="auto")
+    if start_profile is not None:
+        rt = runtime_from(artifact_dir, backend, start_profile)
+        notes.append(f"every run started cold from {start_profile} on a runtime of its own (engines warmed "
+                     "up, nothing learned; no oracle or engine speed: the profile is the thing under test)")
+    else:
+        rt = Runtime.load(artifact_dir, backend=backend, profile="auto")
     try:
         if peers:
             peer_list = peer_runs.start(engines, manifest, [p.ids for p in prompts], python,
                                         peer_runs.fixed_ks(mode_list), max_batch, say)
         env = _env(rt, manifest, backend, artifact_dir, cmd, peers)
         cost = None
-        if rt.cost is not None:
+        if start_profile is None and rt.cost is not None:
             cost = (np.array(rt.cost.verify_table(corrected=False)), np.array(rt.cost.draft_table(corrected=False)))
-        else:
+        elif start_profile is None:
             notes.append("no cost profile: oracle goodput not computed")
         result = {"format": "dspark-trt/bench", "version": 1, "complete": False, "env": env, "settings": settings,
                   "notes": notes, "prompts": [p.to_dict() for p in prompts], "runs": [], "summary": []}
@@ -183,8 +197,16 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                                 peer_raw[m].append(run)
                                 bar.update(len(run["requests"]))
                             continue
-                        raw[m].append(_measure(rt, prompts, m, c, n_req, int(max_new_tokens),
-                                               float(temperature), int(seed), bar))
+                        if start_profile is None:
+                            raw[m].append(_measure(rt, prompts, m, c, n_req, int(max_new_tokens),
+                                                   float(temperature), int(seed), bar))
+                            continue
+                        cold = cold_runtime(rt, start_profile)
+                        try:
+                            raw[m].append(_measure(cold, prompts, m, c, n_req, int(max_new_tokens),
+                                                   float(temperature), int(seed), bar))
+                        finally:
+                            cold.close()
                 rows = _aggregate(raw, c, max_draft, cost, float(temperature))
                 if c == 1 and "off" in raw:
                     off_c1 = raw["off"][0]["requests"]

@@ -95,6 +95,18 @@ def steady_window(timeline: list, requests: list[dict]) -> tuple[int, float] | N
 
 
 
+def first_tokens_rate(timeline: list, requests: list[dict], n: int) -> float | None:
+    """Output tokens/s over a run's first ``n`` tokens: from its first submission to the end of the step
+    that reached n (the start-up window, where a cost model that is wrong at first costs the most; issue
+    22 measures recovery over the first 512 tokens). None when the run emitted fewer."""
+    submitted = [r["submitted_at"] for r in requests if r.get("submitted_at") is not None]
+    if not submitted:
+        return None
+    t0 = min(submitted)
+    reached = next(((t, k) for t, k in timeline if k >= n), None)
+    return reached[1] / (reached[0] - t0) if reached and reached[0] > t0 else None
+
+
 # ------------------------------------------------------------------------------------------- open loop
 
 def percentiles(values, qs=(50, 90, 99)) -> dict:

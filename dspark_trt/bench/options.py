@@ -16,6 +16,7 @@ QUICK = {"concurrency": "1,4,16", "modes": "off,fixed:2,fixed:4,adaptive", "num_
 RESULT_FILES = ("results.json", "results.md", "throughput.png", "latency.png")
 WARMUP_TOKENS = 8
 WAVES = 3  # each run completes at least this many requests per user
+FIRST_TOKENS = 512  # the start-up window of every run (first_tokens_tok_s)
 
 
 def apply_quick(concurrency, modes, num_prompts, max_new_tokens) -> tuple[str, str, int, int]:

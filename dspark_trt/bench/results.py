@@ -47,6 +47,8 @@ def _command_line(args: dict) -> str:
              "--temperature", f"{args['temperature']:g}", "--seed", str(args["seed"])]
     if args.get("prompts_file"):
         parts += ["--prompts-file", str(args["prompts_file"])]
+    if args.get("start_profile"):
+        parts += ["--start-profile", str(args["start_profile"])]
     parts += ["--out", str(args["out_dir"])]
     if args.get("peers"):
         parts.append("--peers")
@@ -141,6 +143,9 @@ DEFINITIONS = """\
   slowest, measured against the profiled cost of the same calls (median over modes). The calls and the
   profile are the same across rounds, so this is the machine: on a shared CPU the same engine call can
   run 1.5x slower for a second at a time. Differences between modes well below it need many rounds.
+- **adaptive / best, first tokens**: the same ratio over each run's first 512 output tokens (first submission
+  to the step that reached them; median over rounds): the start-up window, where a cost model that starts
+  wrong costs the most. With `--start-profile FILE` every run starts cold from FILE on a runtime of its own.
 """
 
 
@@ -175,8 +180,9 @@ def render_markdown(result: dict) -> str:
                  f"| {_fmt(r.get('greedy_match_off'), '.0%')} |")
     L += ["", "## Adaptive vs. the alternatives", "",
           "| conc | off tok/s | best fixed | its tok/s | adaptive tok/s | adaptive / max(off, best fixed) "
-          "| per round | adaptive / held-out pick | its interval | picks | adaptive / off | engine drift |",
-          "|---:|---:|---|---:|---:|---:|---|---:|---|---|---:|---:|"]
+          "| per round | adaptive / held-out pick | its interval | picks | adaptive / off | engine drift "
+          "| adaptive / best, first tokens |",
+          "|---:|---:|---|---:|---:|---:|---|---:|---|---|---:|---:|---:|"]
     for s in result["summary"]:
         per_round = s.get("adaptive_over_best_rounds") or []
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else "-"
@@ -184,7 +190,8 @@ def render_markdown(result: dict) -> str:
                  f"| {_fmt(s['adaptive_tok_s'])} | {_fmt(s['adaptive_over_best'], '.3f')} | {spread} "
                  f"| {_fmt(s.get('adaptive_over_best_held_out'), '.3f')} | {_interval(s)} "
                  f"| {' '.join(s.get('held_out_picks') or []) or '-'} "
-                 f"| {_fmt(s['adaptive_over_off'], '.3f')} | {_drift(s.get('engine_drift'))} |")
+                 f"| {_fmt(s['adaptive_over_off'], '.3f')} | {_drift(s.get('engine_drift'))} "
+                 f"| {_fmt(s.get('adaptive_over_best_first_tokens'), '.3f')} |")
     if result.get("comparison_c1"):
         L += ["", "## Peers at concurrency 1 (same prompts, same token counts; whole-run throughput for every row)", "",
               "| system | output tok/s | per-user tok/s p50 | TPOT ms | speed-up over transformers target | greedy = our off |",

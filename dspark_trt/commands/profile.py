@@ -12,11 +12,16 @@ from dspark_trt.runtime.tuning import RuntimeTuning
 
 
 def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5, context: int | None = None,
-                     force: bool = False) -> Path:
+                     force: bool = False, out=None) -> Path:
     """force: save the profile even if its timings spread too much (ProfileTuning.persist_spread).
+    out: a new file to write instead of the artifact's profile (an existing one is refused before measuring).
     context: cached tokens per row in the profiled calls (default: ProfileTuning.past). A realistic
     serving context prices verify calls as they will run (vLLM profiles at 8192 by default); the
     call-shape model keeps how costs grow with the past either way."""
+    if out is not None and Path(out).exists():
+        raise DsparkError(f"--out {out} already exists; remove it or choose another file")
+    if out is not None and not Path(out).resolve().parent.is_dir():
+        raise DsparkError(f"--out {out}: its folder does not exist")
     tuning = RuntimeTuning()
     if context is not None:
         tuning = dataclasses.replace(tuning, profile=dataclasses.replace(tuning.profile, past=int(context)))
@@ -31,6 +36,6 @@ def profile_artifact(artifact_dir, backend: str = "ort", repeats: int = 5, conte
         if why and not force:
             raise DsparkError(f"cost profile not saved: {why}; profile again on a quieter machine, "
                               f"or pass --force to save it anyway")
-        return table.save(profile_path(artifact_dir, rt.profile_name))
+        return table.save(Path(out) if out is not None else profile_path(artifact_dir, rt.profile_name))
     finally:
         rt.close()

@@ -115,6 +115,9 @@ class Runtime:
         self._worker: threading.Thread | None = None
         self._closed = False
         self._in_step = False
+        # close() saves what the tables learned in place of the artifact's profile (costs/profiling.py
+        # persist_refined); off for runtimes started from a profile that is not the artifact's own.
+        self.persist_profile = True
 
     def _make_drafter(self, make_cache, kv_dtype):
         """The drafter phase of the artifact's drafter kind (both implement draft / observe / prepare_call)."""
@@ -343,7 +346,7 @@ class Runtime:
         if self._worker is not None:
             self._worker.join(timeout=10)
         self.admission.fail_all("runtime closed")
-        if self.artifact_dir.is_dir() and (self.artifact_dir / "manifest.json").is_file():
+        if self.persist_profile and self.artifact_dir.is_dir() and (self.artifact_dir / "manifest.json").is_file():
             from dspark_trt.runtime.costs.profiling import persist_refined
 
             persist_refined(self)

@@ -1,0 +1,62 @@
+"""`bench --start-profile FILE`: every run starts cold from a given cost profile.
+
+Issue 22's question is how fast adaptive recovers from a profile that is wrong (measured on a busy machine,
+draft costs too high, a flat verify curve). In an ordinary bench every mode shares one runtime, so the tables
+adaptive starts a round with were already taught by the modes before it. Here each (mode, round) run gets a
+runtime of its own, loaded with the artifact's engines and FILE as its profile and nothing learned: what a
+server started with that profile meets. The artifact's own profile is neither read nor written.
+
+FILE must have been measured for this artifact's engines (the profile's ``meta.artifact``); its backend and
+thread regime may differ: a profile recorded with sleeping threads and used by spinning ones is one of the
+wrong starts worth measuring.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dspark_trt.errors import DsparkError
+
+
+def check_start_profile(path, manifest) -> Path:
+    """FILE as a path, after loading it once: a one-line DsparkError if it is missing, malformed or measured
+    for other engines."""
+    from dspark_trt.runtime.costs.profiling import profile_meta
+    from dspark_trt.runtime.costs.table import CostTable
+
+    path = Path(path)
+    if not path.is_file():
+        raise DsparkError(f"--start-profile {path}: no such file (a cost_profile*.json written by "
+                          f"`dspark-trt profile --out FILE`)")
+    expect = {"artifact": profile_meta(manifest, "")["artifact"]}
+    try:
+        CostTable.load(path, expect=expect)
+    except DsparkError as e:
+        raise DsparkError(f"--start-profile: {e}") from None
+    return path
+
+
+def runtime_from(artifact_dir, backend: str, path: Path):
+    """The bench's first runtime: the artifact's engines with the profile at `path`, warmed up by the bench;
+    what it learns is dropped (every run gets a :func:`cold_runtime` on its engines)."""
+    from dspark_trt.runtime.costs.table import CostTable
+    from dspark_trt.runtime.runtime import Runtime
+
+    rt = Runtime.load(artifact_dir, backend=backend, profile="none")
+    rt.persist_profile = False
+    rt.cost = CostTable.load(path).tune(rt.tuning.drift)
+    return rt
+
+
+def cold_runtime(warm, path: Path):
+    """A runtime on `warm`'s engines (their sessions warmed up: a new session's first calls pay allocations
+    that would hit the window measured) with the profile at `path`, and nothing learned: fresh tables, step
+    overheads, exploration credit, survival statistics. It never saves its profile."""
+    from dspark_trt.runtime.costs.table import CostTable
+    from dspark_trt.runtime.runtime import Runtime
+
+    rt = Runtime(warm.artifact_dir, warm.manifest, warm.backend, warm.tokenizer, tuning=warm.tuning)
+    rt.profile_name = warm.profile_name
+    rt.persist_profile = False
+    rt.cost = CostTable.load(path).tune(rt.tuning.drift)
+    return rt

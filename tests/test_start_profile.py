@@ -1,0 +1,152 @@
+"""`bench --start-profile FILE` (every run starts cold from FILE), the first-tokens figure, `profile --out`,
+and scripts/distort_profile.py: the tools that measure issue 22's recovery from a wrong profile."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dspark_trt.bench.latency import first_tokens_rate
+from dspark_trt.errors import DsparkError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _distort_module():
+    spec = importlib.util.spec_from_file_location("distort_profile", ROOT / "scripts" / "distort_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def good_profile(tiny_artifact, tmp_path_factory) -> Path:
+    """The artifact's own profile, as a file outside it."""
+    from dspark_trt.runtime.runtime import Runtime
+
+    with Runtime.load(tiny_artifact) as rt:
+        return rt.cost.save(tmp_path_factory.mktemp("profiles") / "good.json")
+
+
+def _artifact_profiles(artifact) -> dict:
+    return {p.name: p.read_bytes() for p in Path(artifact).glob("cost_profile*.json")}
+
+
+def test_first_tokens_rate_is_tokens_over_the_time_to_the_step_that_reached_them():
+    timeline = [(1.0, 100), (2.0, 400), (3.0, 700), (4.0, 900)]
+    requests = [{"submitted_at": 0.5}, {"submitted_at": 0.75}]
+    assert first_tokens_rate(timeline, requests, 512) == pytest.approx(700 / 2.5)
+    assert first_tokens_rate(timeline, requests, 400) == pytest.approx(400 / 1.5)
+    assert first_tokens_rate(timeline, requests, 901) is None  # the run never emitted that many
+    assert first_tokens_rate(timeline, [], 100) is None
+
+
+def test_distorted_profiles_price_drafting_dearer_or_verifying_flat(tiny_artifact, good_profile, tmp_path):
+    from dspark_trt.runtime.costs.table import CostTable
+
+    distort = _distort_module()
+    good = json.loads(good_profile.read_text())
+    dear = tmp_path / "dear.json"
+    flat = tmp_path / "flat.json"
+    assert distort.main([str(good_profile), str(dear), "--draft-scale", "3"]) == 0
+    assert distort.main([str(good_profile), str(flat), "--flat-verify"]) == 0
+    assert distort.main([str(good_profile), str(flat), "--flat-verify"]) == 1  # never overwrites
+    base, d, f = CostTable.load(good_profile), CostTable.load(dear), CostTable.load(flat)
+    np.testing.assert_allclose(d.draft_table(), 3 * np.asarray(base.draft_table()))
+    np.testing.assert_allclose(d.verify_table(), base.verify_table())
+    v = np.asarray(f.verify_table())[1:]
+    assert np.ptp(v) == 0 and v[0] == pytest.approx(base.verify_table()[1])
+    if f.call_shape is not None:  # the call-shape model was fitted to flat points: depth and width cost nothing
+        assert f.call_shape.ms(64, 8, 8, 32) == pytest.approx(f.call_shape.ms(1, 1, 1, 32), rel=0.05)
+    assert json.loads(dear.read_text())["meta"]["artifact"] == good["meta"]["artifact"]
+
+
+def test_every_run_starts_cold_from_the_start_profile_and_the_artifact_keeps_its_own(
+        tiny_artifact, good_profile, tmp_path, monkeypatch):
+    from dspark_trt.bench import start_profile
+    from dspark_trt.bench.harness import run_bench
+
+    dear = tmp_path / "dear.json"
+    _distort_module().main([str(good_profile), str(dear), "--draft-scale", "3"])
+    started = []
+    cold = start_profile.cold_runtime
+
+    def spy(warm, path):
+        rt = cold(warm, path)
+        # what the run starts from: the start profile's tables, nothing observed, nothing explored
+        started.append((rt is not warm, rt.backend is warm.backend, list(rt.cost.draft_table()),
+                        sum(d["observations"] for d in rt.cost.drift().values()), rt.metrics.steps))
+        return rt
+
+    monkeypatch.setattr(start_profile, "cold_runtime", spy)
+    before = _artifact_profiles(tiny_artifact)
+    out = run_bench(tiny_artifact, concurrency="1,4", modes="adaptive,off,fixed:2", num_prompts=8,
+                    max_new_tokens=64, out_dir=tmp_path / "b", progress=False, rounds=2, start_profile=dear)
+    assert _artifact_profiles(tiny_artifact) == before  # neither read nor written over
+    expected = list(np.asarray(json.loads(dear.read_text())["draft_ms"]))
+    assert len(started) == 2 * 3 * 2  # levels x modes x rounds
+    for fresh, same_engines, draft, observed, steps in started:
+        assert fresh and same_engines and observed == 0 and steps == 0
+        np.testing.assert_allclose(draft, expected)
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["start_profile"] == str(dear)
+    assert any("started cold" in n for n in res["notes"])
+    assert "--start-profile" in res["env"]["command"]
+    for r in res["runs"]:
+        assert len(r["round_first_tokens_tok_s"]) == 2 and r["first_tokens_tok_s"] > 0  # 8 x 64 = 512 tokens a run
+        assert r["oracle"] is None
+        assert r["greedy_match_off"] == 1.0
+    for s in res["summary"]:
+        assert s["first_tokens"] == 512 and s["adaptive_over_best_first_tokens"] > 0
+    assert "first tokens" in (out / "results.md").read_text()
+
+
+def test_a_start_profile_must_fit_the_artifact(tiny_artifact, good_profile, tmp_path):
+    from dspark_trt.bench.start_profile import check_start_profile
+    from dspark_trt.runtime.runtime import load_manifest
+
+    manifest = load_manifest(tiny_artifact)
+    assert check_start_profile(good_profile, manifest) == good_profile
+    with pytest.raises(DsparkError, match="no such file"):
+        check_start_profile(tmp_path / "none.json", manifest)
+    other = json.loads(good_profile.read_text())
+    other["meta"]["artifact"] = {k: "0" * 64 for k in other["meta"]["artifact"]}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(DsparkError, match="different artifact") as e:
+        check_start_profile(tmp_path / "other.json", manifest)
+    assert "\n" not in str(e.value)
+    # measured with other threads or another backend is fine: that is a wrong start worth measuring
+    other["meta"] = dict(json.loads(good_profile.read_text())["meta"], backend="ort.spin")
+    (tmp_path / "spin.json").write_text(json.dumps(other))
+    check_start_profile(tmp_path / "spin.json", manifest)
+
+
+@pytest.mark.parametrize("extra, what", [(["--rates", "1"], "--start-profile belongs to the closed loop"),
+                                         (["--peers"], "--start-profile measures our modes")])
+def test_start_profile_refusals_are_one_line_errors(tiny_artifact, good_profile, tmp_path, capsys, extra, what):
+    from dspark_trt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", str(tiny_artifact), "--start-profile", str(good_profile), *extra, "--out", str(tmp_path / "o")])
+    assert e.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {what}") and "\n" not in err, err
+
+
+def test_profile_out_writes_elsewhere_and_never_over_a_file(tiny_artifact, tmp_path, capsys):
+    from dspark_trt.cli import main
+
+    before = _artifact_profiles(tiny_artifact)
+    out = tmp_path / "mine.json"
+    main(["profile", str(tiny_artifact), "--repeats", "1", "--out", str(out), "--force"])
+    assert json.loads(out.read_text())["format"] == "dspark-trt/cost-profile"
+    assert _artifact_profiles(tiny_artifact) == before
+    for path, what in ((out, "already exists"), (tmp_path / "no" / "p.json", "its folder does not exist")):
+        with pytest.raises(SystemExit) as e:
+            main(["profile", str(tiny_artifact), "--out", str(path)])
+        assert e.value.code == 1
+        assert what in capsys.readouterr().err
