@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_trt.bench.latency import first_tokens_rate
+from dspark_trt.runtime.costs.call_shape import packed_shape
 from dspark_trt.errors import DsparkError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,3 +151,38 @@ def test_profile_out_writes_elsewhere_and_never_over_a_file(tiny_artifact, tmp_p
             main(["profile", str(tiny_artifact), "--out", str(path)])
         assert e.value.code == 1
         assert what in capsys.readouterr().err
+
+
+def test_from_a_flat_profile_a_prompt_chunk_packed_among_decode_rows_teaches_the_padding_cost(
+        tiny_artifact, good_profile, tmp_path):
+    """Real engines, started from a profile recorded flat (padding priced at 0): the first prompt chunk that
+    arrives while other requests decode is packed into their call; that call, observed at once, raises the
+    padded-attention term, and the model then keeps such chunks in a call of their own. Greedy text is
+    unchanged by whatever the cost model does."""
+    import time
+
+    from dspark_trt.bench.start_profile import runtime_from
+    from dspark_trt.runtime import GenerationConfig
+
+    flat = tmp_path / "flat.json"
+    _distort_module().main([str(good_profile), str(flat), "--flat-verify"])
+    long_prompt = list(range(5, 125))
+    rt = runtime_from(tiny_artifact, "ort", flat)
+    try:
+        assert rt.cost.call_shape.coef[3] < 1e-9  # flat points: no padding term (up to rounding)
+        cfg = GenerationConfig(max_new_tokens=48, spec="off", stop_at_eos=False)
+        first = [rt.submit([7 + i, 9, 13], cfg) for i in range(3)]
+        while min(len(r.tokens) for r in first) < 4:
+            time.sleep(0.001)
+        late = rt.submit(long_prompt, cfg)
+        for r in first + [late]:
+            r.done.wait(60)
+        shape = rt.cost.call_shape
+        assert shape.padding_raises >= 1 and shape.coef[3] > 0
+        decode, chunk = [1] * 3, [64]
+        mixed = shape.ms(*packed_shape(decode + chunk, [60] * 3 + [0]))
+        assert mixed > shape.ms(*packed_shape(decode, [60] * 3)) + shape.ms(*packed_shape(chunk, [0]))
+        alone = rt.generate([long_prompt], cfg)[0]
+        assert rt.result(late).token_ids == alone.token_ids
+    finally:
+        rt.close()

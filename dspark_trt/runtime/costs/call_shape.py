@@ -99,6 +99,7 @@ class CallShapeCost:
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
         self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
+        self.padding_raises = 0  # times a padding-bound call raised the padded-attention term
         self.refit_every = DriftTuning.shape_refit_every
         self.margin = math.log1p(DriftTuning.refine_margin)  # how far apart two depths' errors must be
         self._calls: list = []  # since the last refit: (tokens, rows, longest, past, ms / drift factor then)
@@ -130,15 +131,20 @@ class CallShapeCost:
         c = self.coef * math.exp(self.drift(rows))
         return (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
 
-    def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float) -> None:
-        """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded)."""
-        pred = self.base_ms(tokens, rows, longest, past)
-        if not (ms > 0 and pred > 0 and math.isfinite(ms)):
+    def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False) -> None:
+        """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded).
+        chunk_among_rows: the call packed a prompt chunk with decode rows (the padded attention shows)."""
+        if not (ms > 0 and math.isfinite(ms)):
             return
-        x = math.log(ms / pred)
         lo, hi = self.bounds
         w = load_bucket(rows)
         own = self.width_drift.get(w, self.log_drift)
+        if chunk_among_rows:
+            self._learn_padding(tokens, rows, longest, past, ms / math.exp(own))
+        pred = self.base_ms(tokens, rows, longest, past)
+        if not pred > 0:
+            return
+        x = math.log(ms / pred)
         self.width_drift[w] = min(max(own + self.alpha * (x - own), lo), hi)
         self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
         if self.refit_every > 0:
@@ -146,6 +152,21 @@ class CallShapeCost:
             self._calls.append((tokens, rows, longest, past, ms / math.exp(own)))
             if len(self._calls) >= self.refit_every:
                 self.refit()
+
+    def _learn_padding(self, tokens: int, rows: int, longest: int, past: int, y: float) -> None:
+        """A prompt chunk packed among decode rows (every row padded to the chunk) took y ms at its width's
+        level: when the padded-attention term must be dearer to explain it, move it halfway there. Only ever
+        up, and only from these calls: they are the ones that show it (the refits leave it alone, see the
+        module docstring), a profile that priced it at 0 (recorded flat) packed every prompt chunk into the
+        decode call at 4x the step time of `off` at 64 requests (lab notes, ninth session), and a term
+        priced too dear costs at most a separate call now and then."""
+        f = features(tokens, rows, longest, past)
+        rest = float(f @ self.coef) - self.coef[3] * f[3]
+        if f[3] <= 0 or y <= (rest + self.coef[3] * f[3]) * math.exp(self.margin):
+            return
+        self.coef = self.coef.copy()
+        self.coef[3] += 0.5 * ((y - rest) / f[3] - self.coef[3])
+        self.padding_raises += 1
 
     def refit(self) -> None:
         """Refit the depth slope to the calls since the last refit, when they show it wrong (module docstring)."""

@@ -137,12 +137,19 @@ class Verifier:
         tokens = int(feeds["tokens"].shape[0])
         full = (time.perf_counter() - tv) * 1e3
         table = self.costs.table
+        shape = packed_shape([len(q) for q in queries], past_lens)
+        # A prompt chunk (a query longer than its verify length + 1) among decode rows: seen every time, it
+        # shows what padding the decode rows to the chunk costs (call_shape.py).
+        chunks = sum(len(q) > v + 1 for q, v in zip(queries, vlens))
+        chunk_among = 0 < chunks < len(queries)
         if table is not None and self.costs.observing:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
             # writes grow with the tokens verified too.
             table.observe_verify(tokens, full)
             if table.call_shape is not None:
-                table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full)
+                table.call_shape.observe(*shape, full, chunk_among)
+        elif table is not None and table.call_shape is not None and chunk_among:
+            table.call_shape.observe(*shape, full, True)
         return outs, ms, tokens, int(m), full
 
     def _zero_probs(self, rows: int) -> np.ndarray:
