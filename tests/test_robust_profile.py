@@ -244,3 +244,29 @@ def test_a_verify_slope_learned_from_calls_is_saved_at_close(tmp_path):
     assert profiling.persist_refined(_closing_rt(tmp_path, table)) == path
     saved = CostTable.load(path).call_shape
     assert saved.ms(64, 16, 4, 100) > 1.5 * saved.ms(16, 16, 1, 100)
+
+
+def test_a_saved_profile_keeps_the_call_shape_coefficients_whatever_each_width_learned(tmp_path):
+    """Widths that drifted apart (sampled calls at some loads, a busy spell at others) must not come back as
+    coefficients: the saved shapes are the model at one level, so the next load fits the same coefficients
+    (times that level). Saved with each width's own level, the fit turned the width differences into a
+    padding cost 8x the profile's and a token cost of 0, and adaptive hardly drafted after it."""
+    from dspark_trt.runtime.costs.call_shape import GRID, features
+
+    shapes = [[float(t), float(r), float(q), float(p), 0.0] for t, r, q, p in GRID]
+    coef = np.array([2.3, 0.07, 0.04, 0.1])
+    for row in shapes:
+        row[4] = float(features(*row[:4]) @ coef)
+    table = CostTable(np.arange(33, dtype=float) * 10.0, np.arange(9, dtype=float) + 1.0, {"spread": 0.05},
+                      points={"verify": {"8": [80.0]}, "verify_shapes": shapes})
+    path = table.save(profiling.profile_path(tmp_path, "ort"))
+    model = table.call_shape
+    for _ in range(300):  # narrow calls as profiled, wide ones 3x dearer
+        for rows, factor in ((1, 1.0), (4, 1.2), (16, 2.0), (64, 3.0)):
+            model.observe(rows, rows, 1, 100, factor * model.base_ms(rows, rows, 1, 100))
+        table.observe_verify(8, 160.0)
+    assert profiling.persist_refined(_closing_rt(tmp_path, table)) == path
+    saved = CostTable.load(path).call_shape
+    level = saved.coef[0] / coef[0]
+    np.testing.assert_allclose(saved.coef, level * coef, rtol=1e-6)
+    assert level == pytest.approx(np.exp(model.log_drift), rel=1e-6)

@@ -3,8 +3,9 @@
 Issue 22's question is how fast adaptive recovers from a profile that is wrong (measured on a busy machine,
 draft costs too high, a flat verify curve). In an ordinary bench every mode shares one runtime, so the tables
 adaptive starts a round with were already taught by the modes before it. Here each (mode, round) run gets a
-runtime of its own, loaded with the artifact's engines and FILE as its profile and nothing learned: what a
-server started with that profile meets. The artifact's own profile is neither read nor written.
+runtime of its own on the same warmed-up engines, with FILE as its profile and nothing learned: what a server
+started with that profile meets. The artifact's own profile is neither read nor written. (A DSpark drafter's
+sessions belong to its runtime, so with one they are made again, cold, for every run.)
 
 FILE must have been measured for this artifact's engines (the profile's ``meta.artifact``); its backend and
 thread regime may differ: a profile recorded with sleeping threads and used by spinning ones is one of the
@@ -39,24 +40,26 @@ def check_start_profile(path, manifest) -> Path:
 def runtime_from(artifact_dir, backend: str, path: Path):
     """The bench's first runtime: the artifact's engines with the profile at `path`, warmed up by the bench;
     what it learns is dropped (every run gets a :func:`cold_runtime` on its engines)."""
-    from dspark_trt.runtime.costs.table import CostTable
     from dspark_trt.runtime.runtime import Runtime
 
-    rt = Runtime.load(artifact_dir, backend=backend, profile="none")
-    rt.persist_profile = False
-    rt.cost = CostTable.load(path).tune(rt.tuning.drift)
-    return rt
+    return _starting_from(Runtime.load(artifact_dir, backend=backend, profile="none"), path)
 
 
 def cold_runtime(warm, path: Path):
     """A runtime on `warm`'s engines (their sessions warmed up: a new session's first calls pay allocations
     that would hit the window measured) with the profile at `path`, and nothing learned: fresh tables, step
-    overheads, exploration credit, survival statistics. It never saves its profile."""
-    from dspark_trt.runtime.costs.table import CostTable
+    overheads, exploration credit, survival statistics."""
     from dspark_trt.runtime.runtime import Runtime
 
     rt = Runtime(warm.artifact_dir, warm.manifest, warm.backend, warm.tokenizer, tuning=warm.tuning)
     rt.profile_name = warm.profile_name
+    return _starting_from(rt, path)
+
+
+def _starting_from(rt, path: Path):
+    """rt with the profile at `path`; it never saves what it learns over the artifact's profile."""
+    from dspark_trt.runtime.costs.table import CostTable
+
     rt.persist_profile = False
     rt.cost = CostTable.load(path).tune(rt.tuning.drift)
     return rt

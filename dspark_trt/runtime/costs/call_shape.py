@@ -99,7 +99,7 @@ class CallShapeCost:
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
         self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
-        self.padding_raises = 0  # times a padding-bound call raised the padded-attention term
+        self.padding_raises = 0  # times a prompt chunk packed among decode rows raised the padded-attention term
         self.refit_every = DriftTuning.shape_refit_every
         self.margin = math.log1p(DriftTuning.refine_margin)  # how far apart two depths' errors must be
         self._calls: list = []  # since the last refit: (tokens, rows, longest, past, ms / drift factor then)

@@ -291,9 +291,14 @@ def persist_refined(rt) -> Path | None:
     points = dict(cost.points)
     shape = cost.call_shape
     if shape is not None and (shape.width_drift or shape.refits) and points.get("verify_shapes"):
-        # The call shapes' timings as the model now predicts them (its refits and its widths' drift): the
-        # model is fitted again from them at the next load.
-        points["verify_shapes"] = [[*row[:4], shape.ms(*(int(v) for v in row[:4]))] for row in points["verify_shapes"]]
+        # The call shapes' timings as the model now predicts them (its refits), at one level for all widths
+        # (its global drift): the model is fitted again from them at the next load, and that fit is linear
+        # in the features, so levels that differ by width came back as coefficients of the terms that grow
+        # with the rows. After a temperature-1.0 open loop a saved profile priced padding 8x and tokens at 0,
+        # and adaptive then hardly drafted (lab notes, ninth session). Each width's level is learned again.
+        level = math.exp(shape.log_drift)
+        points["verify_shapes"] = [[*row[:4], shape.base_ms(*(int(v) for v in row[:4])) * level]
+                                   for row in points["verify_shapes"]]
     try:
         return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, profile_name(rt)))
     except OSError:
