@@ -134,31 +134,35 @@ def test_refits_leave_the_padded_attention_cost_of_a_prompt_chunk_among_decode_r
 
 def _mixed_and_split(m, decode=57, chunk=256, past=600):
     d, c = [1] * decode, [chunk]
-    mixed = m.ms(*packed_shape(d + c, [past] * decode + [0]))
+    mixed = m.ms(*packed_shape(d + c, [past] * decode + [0]), chunk=True)
     return mixed, m.ms(*packed_shape(d, [past] * decode)) + m.ms(*packed_shape(c, [0]))
 
 
 def test_a_flat_profile_learns_what_packing_a_prompt_chunk_among_decode_rows_costs_from_one_such_call():
     """A profile recorded flat prices padding at 0, so packing a prompt chunk into the decode call looks
     free; packed, it took 4x `off`'s step time at 64 requests. One such call, observed at its true cost,
-    raises the padded-attention term (halfway) until the model splits; cheaper packed calls never lower
-    it, and decode calls never touch it."""
+    raises the padding price of such calls (halfway) until the model splits; cheaper packed calls never
+    lower it, decode calls never touch it, and it prices nothing else: the verify depth's padding stays
+    the profile's (raised for every call, it priced deeper verification 3.5x too dear)."""
     x = shapes()
     flat = CallShapeCost.from_points(np.column_stack([x, np.full(len(x), _true_ms(16, 16, 1, 200))]))
     assert flat.coef[3] < 1e-9
     mixed, split = _mixed_and_split(flat)
     assert mixed <= split  # the flat model packs
-    for q in ([1] * 64, [8] + [1] * 63, [4] * 32):  # decode and verify calls leave the padding term alone
+    for q in ([1] * 64, [8] + [1] * 63, [4] * 32):  # decode and verify calls leave it alone
         flat.observe(*packed_shape(q, [300] * len(q)), 10 * _true_ms(*packed_shape(q, [300] * len(q))))
-    assert flat.coef[3] < 1e-9 and flat.padding_raises == 0
+    assert flat.chunk_padding == 0 and flat.padding_raises == 0
+    uneven = packed_shape([8] + [1] * 31, [300] * 32)
+    before = flat.ms(*uneven)
     shape = packed_shape([1] * 57 + [256], [600] * 57 + [0])
     flat.observe(*shape, _true_ms(*shape), chunk_among_rows=True)
-    assert flat.padding_raises == 1 and 0 < flat.coef[3] < MEASURED[3]
+    assert flat.padding_raises == 1 and 0 < flat.chunk_padding < MEASURED[3]
     mixed, split = _mixed_and_split(flat)
     assert mixed > 5 * split
-    raised = flat.coef[3]
+    assert flat.ms(*uneven) == pytest.approx(before, rel=0.05)  # the verify depth is priced as before
+    raised = flat.chunk_padding
     flat.observe(*shape, 0.1 * _true_ms(*shape), chunk_among_rows=True)  # only ever up
-    assert flat.coef[3] == raised
+    assert flat.chunk_padding == raised
     right = CallShapeCost(MEASURED)  # a model that prices it right is not moved by such calls
     right.observe(*shape, _true_ms(*shape), chunk_among_rows=True)
     assert right.padding_raises == 0 and right.coef[3] == MEASURED[3]

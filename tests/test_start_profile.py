@@ -157,7 +157,7 @@ def test_from_a_flat_profile_a_prompt_chunk_packed_among_decode_rows_teaches_the
         tiny_artifact, good_profile, tmp_path):
     """Real engines, started from a profile recorded flat (padding priced at 0): the first prompt chunk that
     arrives while other requests decode is packed into their call; that call, observed at once, raises the
-    padded-attention term, and the model then keeps such chunks in a call of their own. Greedy text is
+    price of packing a chunk, and the model then keeps such chunks in a call of their own. Greedy text is
     unchanged by whatever the cost model does."""
     import time
 
@@ -178,9 +178,9 @@ def test_from_a_flat_profile_a_prompt_chunk_packed_among_decode_rows_teaches_the
         for r in first + [late]:
             r.done.wait(60)
         shape = rt.cost.call_shape
-        assert shape.padding_raises >= 1 and shape.coef[3] > 0
+        assert shape.padding_raises >= 1 and shape.chunk_padding > 0
         decode, chunk = [1] * 3, [64]
-        mixed = shape.ms(*packed_shape(decode + chunk, [60] * 3 + [0]))
+        mixed = shape.ms(*packed_shape(decode + chunk, [60] * 3 + [0]), chunk=True)
         assert mixed > shape.ms(*packed_shape(decode, [60] * 3)) + shape.ms(*packed_shape(chunk, [0]))
         alone = rt.generate([long_prompt], cfg)[0]
         assert rt.result(late).token_ids == alone.token_ids

@@ -99,7 +99,10 @@ class CallShapeCost:
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
         self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
-        self.padding_raises = 0  # times a prompt chunk packed among decode rows raised the padded-attention term
+        # The padded-attention coefficient of a prompt chunk among decode rows, learned from such calls (only
+        # up): the profile's (coef[3]) is kept for everything else, the verify depth's padding included.
+        self.chunk_padding = 0.0
+        self.padding_raises = 0  # times such a call raised it
         self.refit_every = DriftTuning.shape_refit_every
         self.margin = math.log1p(DriftTuning.refine_margin)  # how far apart two depths' errors must be
         self._calls: list = []  # since the last refit: (tokens, rows, longest, past, ms / drift factor then)
@@ -116,15 +119,15 @@ class CallShapeCost:
         """The log drift factor applied to calls of this many rows."""
         return self.width_drift.get(load_bucket(rows), self.log_drift)
 
-    def ms(self, tokens: int, rows: int, longest: int, past: int) -> float:
-        """Predicted ms of one call (drift-corrected)."""
-        return self.base_ms(tokens, rows, longest, past) * math.exp(self.drift(rows))
+    def ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
+        """Predicted ms of one call (drift-corrected); chunk: a prompt chunk among decode rows."""
+        return self.base_ms(tokens, rows, longest, past, chunk) * math.exp(self.drift(rows))
 
-    def base_ms(self, tokens: int, rows: int, longest: int, past: int) -> float:
+    def base_ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
         """The fitted model's ms of one call, before drift correction."""
-        f = (1.0, tokens, rows * past / 100.0, rows * longest * (past + longest) / 1000.0)
         c = self.coef
-        return c[0] * f[0] + c[1] * f[1] + c[2] * f[2] + c[3] * f[3]
+        pad = max(c[3], self.chunk_padding) if chunk else c[3]
+        return c[0] + c[1] * tokens + c[2] * rows * past / 100.0 + pad * rows * longest * (past + longest) / 1000.0
 
     def table(self, tokens: np.ndarray, rows: int, longest: np.ndarray, past: int) -> np.ndarray:
         """:meth:`ms` over arrays of token counts and longest queries, for one set of rows (drift-corrected)."""
@@ -141,7 +144,7 @@ class CallShapeCost:
         own = self.width_drift.get(w, self.log_drift)
         if chunk_among_rows:
             self._learn_padding(tokens, rows, longest, past, ms / math.exp(own))
-        pred = self.base_ms(tokens, rows, longest, past)
+        pred = self.base_ms(tokens, rows, longest, past, chunk_among_rows)
         if not pred > 0:
             return
         x = math.log(ms / pred)
@@ -155,17 +158,18 @@ class CallShapeCost:
 
     def _learn_padding(self, tokens: int, rows: int, longest: int, past: int, y: float) -> None:
         """A prompt chunk packed among decode rows (every row padded to the chunk) took y ms at its width's
-        level: when the padded-attention term must be dearer to explain it, move it halfway there. Only ever
-        up, and only from these calls: they are the ones that show it (the refits leave it alone, see the
-        module docstring), a profile that priced it at 0 (recorded flat) packed every prompt chunk into the
-        decode call at 4x the step time of `off` at 64 requests (lab notes, ninth session), and a term
-        priced too dear costs at most a separate call now and then."""
+        level: when the padded attention must be dearer to explain it, move the chunk's padding coefficient
+        halfway there. Only ever up, and only for such calls: a profile that priced padding at 0 (recorded
+        flat) packed every prompt chunk into the decode call at 4x the step time of `off` at 64 requests,
+        while long chunks among many rows also cost 3-5x what a good profile's coefficient extrapolates
+        from its 32-token chunks; raised for every call, it priced deeper verification 3.5x too dear and
+        adaptive drafted less (lab notes, ninth session)."""
         f = features(tokens, rows, longest, past)
+        pad = max(self.coef[3], self.chunk_padding)
         rest = float(f @ self.coef) - self.coef[3] * f[3]
-        if f[3] <= 0 or y <= (rest + self.coef[3] * f[3]) * math.exp(self.margin):
+        if f[3] <= 0 or y <= (rest + pad * f[3]) * math.exp(self.margin):
             return
-        self.coef = self.coef.copy()
-        self.coef[3] += 0.5 * ((y - rest) / f[3] - self.coef[3])
+        self.chunk_padding = pad + 0.5 * ((y - rest) / f[3] - pad)
         self.padding_raises += 1
 
     def refit(self) -> None:

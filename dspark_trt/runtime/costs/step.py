@@ -44,7 +44,7 @@ class Costs:
         shape = self.shape
         if shape is None:
             return False
-        mixed = shape.ms(*packed_shape(dec_lens + pre_lens, dec_past + pre_past))
+        mixed = shape.ms(*packed_shape(dec_lens + pre_lens, dec_past + pre_past), chunk=True)
         return shape.ms(*packed_shape(dec_lens, dec_past)) + shape.ms(*packed_shape(pre_lens, pre_past)) < mixed
 
     def prefill_share(self, lengths: list[int], past_lens: list[int], nd: int) -> float:
@@ -52,7 +52,7 @@ class Costs:
         shape = self.shape
         if shape is None or nd == 0 or len(lengths) == nd:
             return 0.0
-        whole = shape.ms(*packed_shape(lengths, past_lens))
+        whole = shape.ms(*packed_shape(lengths, past_lens), chunk=True)
         return max(0.0, whole - shape.ms(*packed_shape(lengths[:nd], past_lens[:nd])))
 
     def even_grid(self, n: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
