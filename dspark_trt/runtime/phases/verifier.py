@@ -81,8 +81,10 @@ class Verifier:
         target_ms, target_tokens, verified, priced = 0.0, 0, 0, 0.0
         aux = None
         for g in groups:
+            # a prompt chunk packed among decode rows (the rows before nd): its padding shows (call_shape.py)
             outs, ms, tokens, m, full = self._call([order[i] for i in g], [queries[i] for i in g],
-                                                   [past_lens[i] for i in g], [vlens[i] for i in g], drafts)
+                                                   [past_lens[i] for i in g], [vlens[i] for i in g], drafts,
+                                                   g.start < nd < g.stop)
             accepted[g.start:g.stop] = outs["accepted"]
             next_tok[g.start:g.stop] = outs["next_token"]
             if "aux_hidden" in outs:
@@ -101,8 +103,9 @@ class Verifier:
                             aux)
 
     def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
-              drafts: dict):
-        """One target call over these rows; returns (outputs, engine ms, tokens, verified rows, full ms)."""
+              drafts: dict, chunk_among: bool = False):
+        """One target call over these rows; returns (outputs, engine ms, tokens, verified rows, full ms).
+        chunk_among: the call packs a prompt chunk among decode rows (observed every time)."""
         tv = time.perf_counter()  # the call's full cost: feeds, engine, KV write
         slots = [r.slot for r in order]
         feeds = pack_queries(queries, past_lens, slots)
@@ -137,19 +140,12 @@ class Verifier:
         tokens = int(feeds["tokens"].shape[0])
         full = (time.perf_counter() - tv) * 1e3
         table = self.costs.table
-        shape = packed_shape([len(q) for q in queries], past_lens)
-        # A prompt chunk (a query longer than its verify length + 1) among decode rows: seen every time, it
-        # shows what padding the decode rows to the chunk costs (call_shape.py).
-        chunks = sum(len(q) > v + 1 for q, v in zip(queries, vlens))
-        chunk_among = 0 < chunks < len(queries)
         if table is not None and self.costs.observing:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
             # writes grow with the tokens verified too.
             table.observe_verify(tokens, full)
-            if table.call_shape is not None:
-                table.call_shape.observe(*shape, full, chunk_among)
-        elif table is not None and table.call_shape is not None and chunk_among:
-            table.call_shape.observe(*shape, full, True)
+        if table is not None and table.call_shape is not None and (self.costs.observing or chunk_among):
+            table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among)
         return outs, ms, tokens, int(m), full
 
     def _zero_probs(self, rows: int) -> np.ndarray:
