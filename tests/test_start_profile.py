@@ -157,8 +157,9 @@ def test_from_a_flat_profile_a_prompt_chunk_packed_among_decode_rows_teaches_the
         tiny_artifact, good_profile, tmp_path):
     """Real engines, started from a profile recorded flat (padding priced at 0): the first prompt chunk that
     arrives while other requests decode is packed into their call; that call, observed at once, raises the
-    price of packing a chunk, and the model then keeps such chunks in a call of their own. Greedy text is
-    unchanged by whatever the cost model does."""
+    price of packing a chunk. (Whether the model then splits depends on this machine's timings: on the tiny
+    pair one packed call of 3 rows and a 64-token chunk can be cheaper than two calls; the split itself is
+    specified in test_call_shape.py.) Greedy text is unchanged by whatever the cost model does."""
     import time
 
     from dspark_trt.bench.start_profile import runtime_from
@@ -170,6 +171,9 @@ def test_from_a_flat_profile_a_prompt_chunk_packed_among_decode_rows_teaches_the
     rt = runtime_from(tiny_artifact, "ort", flat)
     try:
         assert rt.cost.call_shape.coef[3] < 1e-9  # flat points: no padding term (up to rounding)
+        decode, chunk = [1] * 3, [64]
+        packed = packed_shape(decode + chunk, [60] * 3 + [0])
+        flat_price = rt.cost.call_shape.base_ms(*packed, chunk=True)
         cfg = GenerationConfig(max_new_tokens=48, spec="off", stop_at_eos=False)
         first = [rt.submit([7 + i, 9, 13], cfg) for i in range(3)]
         while min(len(r.tokens) for r in first) < 4:
@@ -179,9 +183,7 @@ def test_from_a_flat_profile_a_prompt_chunk_packed_among_decode_rows_teaches_the
             r.done.wait(60)
         shape = rt.cost.call_shape
         assert shape.padding_raises >= 1 and shape.chunk_padding > 0
-        decode, chunk = [1] * 3, [64]
-        mixed = shape.ms(*packed_shape(decode + chunk, [60] * 3 + [0]), chunk=True)
-        assert mixed > shape.ms(*packed_shape(decode, [60] * 3)) + shape.ms(*packed_shape(chunk, [0]))
+        assert shape.base_ms(*packed, chunk=True) > flat_price  # packing a chunk is priced dearer than flat
         alone = rt.generate([long_prompt], cfg)[0]
         assert rt.result(late).token_ids == alone.token_ids
     finally:
