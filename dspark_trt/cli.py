@@ -233,8 +233,9 @@ def calibrate(target_dir, draft_dir, head_dir, data, out_dir, force, report, max
                    "resolve a close pair.")
 @click.option("--force", is_flag=True, help="Overwrite results already in --out (default: write a new run-* subdirectory).")
 @click.option("--start-profile", default=None, type=click.Path(dir_okay=False),
-              help="Closed loop: every run starts cold from this cost profile on a runtime of its own "
-                   "(recovery from a wrong profile; `dspark-trt profile --out FILE` records one).")
+              help="Every run starts cold from this cost profile on a runtime of its own (recovery from a "
+                   "wrong profile; consecutive open loops start alike; `dspark-trt profile --out FILE` "
+                   "records one). In process only.")
 @click.pass_context
 def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_prompts, duration, max_new_tokens,
           workload, temperature, slo_ttft_ms, slo_tpot_ms, via_http, api_key, seed, prompts_file, out_dir, quick, peers,
@@ -251,7 +252,7 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_p
         from dspark_trt.bench.open_loop import run_open_loop
         from dspark_trt.bench.options import DEFAULT_MODES, OPEN_QUICK
 
-        for name in ("concurrency", "max_new_tokens", "peers", "peer_engines", "peer_python", "start_profile"):
+        for name in ("concurrency", "max_new_tokens", "peers", "peer_engines", "peer_python"):
             if given(name):
                 raise DsparkError(f"--{name.replace('_', '-')} belongs to the closed loop; the open loop (--rates, "
                                   f"--via-http) takes arrival rates, and output lengths from --workload")
@@ -262,7 +263,8 @@ def bench(ctx, artifact_dir, backend, concurrency, rates, capacity, modes, num_p
                              duration=duration,
                              rounds=rounds, seed=seed, slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms,
                              via_http=via_http, api_key=api_key, prompts_file=prompts_file, out_dir=out_dir,
-                             quick=quick, force=force, echo=click.echo, command=command, capacity=capacity)
+                             quick=quick, force=force, echo=click.echo, command=command, capacity=capacity,
+                             start_profile=start_profile)
         click.echo(f"wrote {path}")
         return
     from dspark_trt.bench.harness import run_bench

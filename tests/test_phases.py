@@ -93,6 +93,18 @@ def test_where_drafting_pays_the_model_plans_its_best_depth_plus_headroom():
     assert headroom.steps == plan.steps - 1 or plan.steps == K
 
 
+def test_starting_to_draft_pays_the_drafts_catch_up_spread_over_the_plans_steps():
+    """Rows that decoded plainly for a while have text the draft has not seen; drafting feeds it first.
+    Where drafting pays a little, a catch-up that the plan's steps cannot pay for keeps the plan plain
+    (switching back and forth paid it over and over at 64 requests)."""
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))
+    tuning = replace(RuntimeTuning(), plain_check_every=0)
+    assert depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: 0.0).steps > 0
+    behind = depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: 100.0 * tuning.plan_every)
+    assert behind.steps == 0
+
+
 # ------------------------------------------------------------------------------------- verify planner
 
 def test_fixed_requests_verify_what_they_drafted_up_to_k_and_adaptive_ones_what_the_solver_admits():

@@ -230,7 +230,11 @@ def test_the_draft_depth_plan_is_redone_every_plan_every_steps(tiny_artifact):
     # and costs (it was once kept for good: the refresh test read the wrong field of the cache entry).
     from dspark_trt.runtime.costs.table import CostTable
 
-    rt = Runtime.load(tiny_artifact, profile="none")
+    from dataclasses import replace
+
+    from dspark_trt.runtime.tuning import RuntimeTuning
+
+    rt = Runtime.load(tiny_artifact, profile="none", tuning=replace(RuntimeTuning(), plain_check_every=0))
     every = rt.tuning.plan_every
     try:
         rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.arange(9, dtype=float) * 0.01)

@@ -106,6 +106,38 @@ def test_every_run_starts_cold_from_the_start_profile_and_the_artifact_keeps_its
     assert "first tokens" in (out / "results.md").read_text()
 
 
+def test_the_open_loop_starts_every_run_cold_from_the_start_profile_too(
+        tiny_artifact, good_profile, tmp_path, monkeypatch):
+    """Each open loop used to start from the profile the previous one saved, so consecutive runs differed."""
+    from dspark_trt.bench import start_profile
+    from dspark_trt.bench.open_loop import run_open_loop
+
+    dear = tmp_path / "dear.json"
+    _distort_module().main([str(good_profile), str(dear), "--draft-scale", "3"])
+    started = []
+    cold = start_profile.cold_runtime
+
+    def spy(warm, path):
+        rt = cold(warm, path)
+        started.append((rt is not warm, rt.backend is warm.backend, list(rt.cost.draft_table()), rt.metrics.steps))
+        return rt
+
+    monkeypatch.setattr(start_profile, "cold_runtime", spy)
+    before = _artifact_profiles(tiny_artifact)
+    out = run_open_loop(tiny_artifact, rates="2", modes="adaptive,off", workload="short:prompt=8-16,out=4-8",
+                        num_prompts=3, capacity="40", rounds=2, out_dir=tmp_path / "o", warmup=False,
+                        progress=False, start_profile=dear)
+    assert _artifact_profiles(tiny_artifact) == before
+    assert len(started) == 2 * 2  # modes x rounds
+    expected = list(np.asarray(json.loads(dear.read_text())["draft_ms"]))
+    for fresh, same_engines, draft, steps in started:
+        assert fresh and same_engines and steps == 0
+        np.testing.assert_allclose(draft, expected)
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["start_profile"] == str(dear) and any("started cold" in n for n in res["notes"])
+    assert all(e["completed"] == 2 * 3 and e["failed"] == 0 for e in res["open_loop"])  # rounds x requests
+
+
 def test_a_start_profile_must_fit_the_artifact(tiny_artifact, good_profile, tmp_path):
     from dspark_trt.bench.start_profile import check_start_profile
     from dspark_trt.runtime.runtime import load_manifest
@@ -126,7 +158,7 @@ def test_a_start_profile_must_fit_the_artifact(tiny_artifact, good_profile, tmp_
     check_start_profile(tmp_path / "spin.json", manifest)
 
 
-@pytest.mark.parametrize("extra, what", [(["--rates", "1"], "--start-profile belongs to the closed loop"),
+@pytest.mark.parametrize("extra, what", [(["--via-http"], "--start-profile starts every run cold in this process"),
                                          (["--peers"], "--start-profile measures our modes")])
 def test_start_profile_refusals_are_one_line_errors(tiny_artifact, good_profile, tmp_path, capsys, extra, what):
     from dspark_trt.cli import main

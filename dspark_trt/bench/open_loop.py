@@ -38,8 +38,11 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
                   slo_tpot_ms: float | None = None, via_http: bool = False, api_key: str | None = None,
                   prompts_file=None, out_dir="bench-results", quick: bool = False, force: bool = False, echo=None,
                   progress: bool = True, command: str | None = None, warmup: bool = True,
-                  capacity=None) -> Path:
-    """Run the open loop and write results.json (``open_loop`` list), results.md and latency.png."""
+                  capacity=None, start_profile=None) -> Path:
+    """Run the open loop and write results.json (``open_loop`` list), results.md and latency.png.
+    ``start_profile``: a cost profile file every (rate, mode, round) run starts cold from, on a runtime of its
+    own on the warmed-up engines (in process only); the artifact's profile is neither read nor written, so
+    consecutive runs start alike."""
     from dspark_trt.bench.open_report import goals, plot_latency, write_open
     from dspark_trt.bench.options import resolve_out_dir
     from dspark_trt.bench.results import _env
@@ -60,6 +63,12 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
     if not (quick and modes == OPEN_QUICK["modes"]):
         parse_modes(modes)  # syntax before the artifact is read
     manifest = load_manifest(artifact_dir)
+    if start_profile is not None:
+        from dspark_trt.bench.start_profile import check_start_profile
+
+        if via_http:
+            raise DsparkError("--start-profile starts every run cold in this process; drop --via-http")
+        start_profile = check_start_profile(start_profile, manifest)
     lim = manifest["limits"]
     max_batch, max_draft, max_context = int(lim["max_batch"]), int(lim["max_draft"]), int(lim["max_context"])
     if quick and modes == OPEN_QUICK["modes"]:  # the preset drops fixed:K above the artifact's max draft
@@ -91,12 +100,16 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
                 "rates_requested": str(rates), "modes": mode_list, "rounds": int(rounds), "seed": int(seed),
                 "num_prompts": num_prompts, "duration_s": duration, "slo_ttft_ms": slo_ttft, "slo_tpot_ms": slo_tpot,
                 "max_batch": max_batch, "max_draft": max_draft, "quick": bool(quick),
-                "capacity_given": given_capacity[1] if given_capacity else None}
+                "capacity_given": given_capacity[1] if given_capacity else None,
+                "start_profile": str(start_profile) if start_profile is not None else None}
     result = {"format": "dspark-trt/bench", "version": 1, "kind": "open_loop", "complete": False, "env": None,
               "settings": settings, "notes": [], "capacity": None, "open_loop": [], "goals": []}
     if via_http and backend != "ort":
         result["notes"].append(f"the server runs backend {backend}")
-    with _driver(artifact_dir, backend, via_http, api_key, out) as drive:
+    if start_profile is not None:
+        result["notes"].append(f"every run started cold from {start_profile} on a runtime of its own (engines "
+                               "warmed up, nothing learned)")
+    with _driver(artifact_dir, backend, via_http, api_key, out, start_profile) as drive:
         result["env"] = _env(drive.runtime, manifest, backend, artifact_dir, command or _command(), False)
         if warmup:
             drive.warmup(requests(999, max(len(mode_list), 4)), mode_list)
@@ -246,8 +259,9 @@ def _groups(records, key) -> dict:
 class _driver:
     """The runtime in process, or a serve subprocess over HTTP, behind one ``run``/``warmup`` interface."""
 
-    def __init__(self, artifact_dir, backend, via_http, api_key, out: Path):
+    def __init__(self, artifact_dir, backend, via_http, api_key, out: Path, start_profile=None):
         self.args = (artifact_dir, backend, via_http, api_key, out)
+        self.start_profile = start_profile  # every run on a cold runtime from this profile (start_profile.py)
         self.runtime = self.server = None
 
     def __enter__(self):
@@ -258,6 +272,10 @@ class _driver:
             out.mkdir(parents=True, exist_ok=True)
             self.server = ServeProcess(artifact_dir, backend=backend, log_path=out / "server.log",
                                        api_key=api_key).start()
+        elif self.start_profile is not None:
+            from dspark_trt.bench.start_profile import runtime_from
+
+            self.runtime = runtime_from(artifact_dir, backend, self.start_profile)
         else:
             from dspark_trt.runtime.runtime import Runtime
 
@@ -279,7 +297,15 @@ class _driver:
 
         if not self.runtime.wait_idle(60):
             raise DsparkError("the runtime did not go idle between benchmark runs (a step hung?)")
-        return run_inprocess(self.runtime, items, arrivals, mode)
+        if self.start_profile is None:
+            return run_inprocess(self.runtime, items, arrivals, mode)
+        from dspark_trt.bench.start_profile import cold_runtime
+
+        cold = cold_runtime(self.runtime, self.start_profile)
+        try:
+            return run_inprocess(cold, items, arrivals, mode)
+        finally:
+            cold.close()
 
     def warmup(self, items, modes) -> None:
         """One untimed burst, every mode, short answers (sessions, allocators, caches, the HTTP stack)."""

@@ -365,8 +365,10 @@ class Runtime:
             return False
         cost = self.costs.for_step(len(batch.decode), batch.past)
         depth = self.depth_planner.plan(batch, cost)
-        # One step in cost_observe_every feeds the tables, and every exploring step: it exists to be seen.
-        self.costs.observing = depth.exploring or self.metrics.steps % self.tuning.cost_observe_every == 0
+        # One step in cost_observe_every feeds the tables, and every exploring or checking step: it exists to
+        # be seen.
+        self.costs.observing = (depth.exploring or depth.checking
+                                or self.metrics.steps % self.tuning.cost_observe_every == 0)
         drafted = self.drafter.draft(batch, depth, cost)  # -> Draft named tuples, read by name
         plan = self.verify_planner.plan(batch, drafted, cost, depth.exploring)
         result = self.verifier.run(batch, drafted, plan)

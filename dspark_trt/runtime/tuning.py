@@ -178,6 +178,12 @@ class RuntimeTuning:
     a profile too pessimistic about drafting and costs more where drafting truly does not pay; 0: never
     explore."""
 
+    plain_check_every: int = 8
+    """While the cost model plans drafting, drafting steps per load between plain steps that check what plain
+    decoding costs there (three checks at this period, then twice as far apart each time, to 32x this): a
+    model that prices drafting too cheaply is otherwise never shown wrong. Smaller corrects sooner and costs
+    more where drafting pays; 0: never check."""
+
     call_test: bool = True
     """Make a further draft call only if its expected surplus pays for its time at the recent output
     rate. Off: a request drafts on while its own next survival clears the break-even."""
@@ -308,7 +314,7 @@ def _check(owner, name: str, value) -> str | None:
         return "must be a number"
     if base in _FRACTIONS:
         return None if 0 < value <= 1 else "must be in (0, 1]"
-    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up"):
+    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up", "plain_check_every"):
         return None if value >= 0 else "must be >= 0"
     if base == "bound_high":
         return None if value >= 1 else "must be >= 1"

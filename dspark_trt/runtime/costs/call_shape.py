@@ -17,7 +17,17 @@ exponentially weighted log-ratios (observed / predicted) follow the machine's dr
 (rows, to the nearest power of two), starting from a global one. The profile's shapes cannot cover every
 width the way a running batch does, and a single factor learned mostly from the many small calls (prompt
 chunks, a few requests) left the widest calls dearer than predicted, a bias that falls unevenly on
-plain and drafting steps.
+plain and drafting steps. Within a width, plain calls (one query token a row) and verify calls (deeper)
+each get an offset from the width's level once observed: the profile's depth slope at the widest calls
+can be a third too shallow (the tiny pair at 64 rows: verifying 2-3 tokens a row 25-35% dearer than the
+fit, one token 8% cheaper), and a width's single level, learned from the calls a running batch mostly
+makes, then prices the other kind wrong in the direction that keeps it there (adaptive drafted at 64
+requests where plain decoding was 1.2x faster). The depth planner checks plain steps now and then while
+it drafts (phases/plain_check.py), and explores drafting while it does not (exploration.py), so the kind
+it compares against is observed too. Offsets, not levels of their own: a kind seen only now and then is
+measured against the width's level at that time, which the calls around it keep current (the machine's
+speed moved 40% between waves of one run). Two kinds, not an offset per depth: offsets learned from a
+few calls of a rarely run depth made it look cheap, and the planner drafted 7 deep at 41 rows for it.
 
 A factor per width corrects the level, never the shape: a profile recorded with a flat verify curve
 (every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying
@@ -47,6 +57,8 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
+from collections import deque
 
 import numpy as np
 
@@ -87,6 +99,9 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class CallShapeCost:
     """ms of one engine call from (tokens, rows, longest query, past length); see the module docstring."""
 
+    STEP = math.log(1.5)  # a call's innovation counts as at most this in a kind's offset
+    RECENT = 16  # a kind's offset: the median of its last RECENT innovations
+
     def __init__(self, coef):
         c = np.asarray(coef, dtype=np.float64)
         if c.shape != (len(FEATURES),) or not np.isfinite(c).all() or (c < 0).any() or c.sum() <= 0:
@@ -97,6 +112,8 @@ class CallShapeCost:
         self.bounds = (math.log(DriftTuning.bound_low), math.log(DriftTuning.bound_high))
         self.log_drift = 0.0  # global: for call widths not observed yet
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
+        # per (width bucket, verifies: longest query > 1): [log offset from the width's level, recent innovations]
+        self.kind_offset: dict[tuple[int, bool], list] = {}
         self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
         # The padded-attention coefficient of a prompt chunk among decode rows, learned from such calls (only
@@ -115,13 +132,17 @@ class CallShapeCost:
             raise ValueError(f"need at least {len(FEATURES)} call shapes as [tokens, rows, longest, past, ms]")
         return cls(fit_nonnegative(features(*a[:, :4].T), a[:, 4]))
 
-    def drift(self, rows: int) -> float:
-        """The log drift factor applied to calls of this many rows."""
-        return self.width_drift.get(load_bucket(rows), self.log_drift)
+    def drift(self, rows: int, longest: int | None = None) -> float:
+        """The log drift factor applied to calls of this many rows (and this longest query: plus the offset
+        of its kind, plain or verifying, once that kind was observed at this width)."""
+        w = load_bucket(rows)
+        own = self.width_drift.get(w, self.log_drift)
+        seen = None if longest is None else self.kind_offset.get((w, longest > 1))
+        return own if seen is None else min(max(own + seen[0], self.bounds[0]), self.bounds[1])
 
     def ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
         """Predicted ms of one call (drift-corrected); chunk: a prompt chunk among decode rows."""
-        return self.base_ms(tokens, rows, longest, past, chunk) * math.exp(self.drift(rows))
+        return self.base_ms(tokens, rows, longest, past, chunk) * math.exp(self.drift(rows, longest))
 
     def base_ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
         """The fitted model's ms of one call, before drift correction."""
@@ -130,9 +151,21 @@ class CallShapeCost:
         return c[0] + c[1] * tokens + c[2] * rows * past / 100.0 + pad * rows * longest * (past + longest) / 1000.0
 
     def table(self, tokens: np.ndarray, rows: int, longest: np.ndarray, past: int) -> np.ndarray:
-        """:meth:`ms` over arrays of token counts and longest queries, for one set of rows (drift-corrected)."""
-        c = self.coef * math.exp(self.drift(rows))
-        return (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
+        """:meth:`ms` over arrays of token counts and longest queries, both non-decreasing, for one set of rows
+        (drift-corrected); never decreasing either: the plain calls' offset may say a plain call costs more
+        than verifying, which no call does."""
+        c = self.coef
+        base = (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
+        return np.maximum.accumulate(np.atleast_1d(base * np.exp(self._levels(rows, longest))))
+
+    def _levels(self, rows: int, longest) -> np.ndarray | float:
+        """drift(rows, q) for every q of an array of longest queries."""
+        w = load_bucket(rows)
+        own = self.width_drift.get(w, self.log_drift)
+        lut = np.array([self.kind_offset.get((w, kind), (0.0,))[0] for kind in (False, True)])
+        if not lut.any():
+            return own
+        return np.clip(own + lut[(np.asarray(longest) > 1).astype(np.int64)], *self.bounds)
 
     def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False) -> None:
         """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded).
@@ -149,6 +182,16 @@ class CallShapeCost:
             return
         x = math.log(ms / pred)
         self.width_drift[w] = min(max(own + self.alpha * (x - own), lo), hi)
+        if not chunk_among_rows:  # those teach the chunk's padding
+            # A kind's offset: the median of its calls' recent innovations (log ratio over the width's level
+            # before the call, within a factor 1.5), an offset of 0 counting as one until RECENT calls were
+            # seen. A median: plain calls seen only in a check now and then are few, and stalls happen (the
+            # first plain call of a run took 8x its prediction, measured), which a mean carried for a while.
+            offset = self.kind_offset.get((w, longest > 1))
+            if offset is None:
+                offset = self.kind_offset[(w, longest > 1)] = [0.0, deque([0.0], maxlen=self.RECENT)]
+            offset[1].append(min(max(x - own, -self.STEP), self.STEP))
+            offset[0] = statistics.median(offset[1])
         self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
         if self.refit_every > 0:
             # in the model's units: what the base should have said, the width's level at the time taken out
@@ -214,8 +257,15 @@ class CallShapeCost:
         change = np.log(new / base)
         lo, hi = self.bounds
         for w in np.unique(width[keep]):
+            at = width[keep] == w
             own = self.width_drift.get(int(w), self.log_drift)
-            self.width_drift[int(w)] = min(max(own - float(change[width[keep] == w].mean()), lo), hi)
+            self.width_drift[int(w)] = min(max(own - float(change[at].mean()), lo), hi)
+            for (ww, kind), offset in self.kind_offset.items():  # and each kind's by its own calls' change
+                mine = at & ((calls[keep, 2] > 1) == kind)
+                if ww == w and mine.any():
+                    shift = float(change[mine].mean() - change[at].mean())
+                    offset[1] = deque((v - shift for v in offset[1]), maxlen=self.RECENT)
+                    offset[0] = statistics.median(offset[1])
         self.log_drift = min(max(self.log_drift - float(change.mean()), lo), hi)
         self.coef = coef
         self.refits += 1

@@ -4,7 +4,8 @@ From the running survival profile (which does not depend on this step's drafts) 
 (solver.best_draft_depth); one step of headroom lets live survivals ask for more. A plan is reused per
 batch shape for a few steps (the profile moves slowly). When no drafting pays, nothing is drafted but
 scheduled exploration (exploration.py) drafts one token now and then, within a budget, so a cost model
-or a survival profile that is wrong about drafting is shown wrong.
+or a survival profile that is wrong about drafting is shown wrong; while drafting pays, a plain step now
+and then (plain_check.py) shows a model that is wrong the other way.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dspark_trt.runtime.phases.exploration import ExplorationSchedule
+from dspark_trt.runtime.phases.plain_check import PlainCheckSchedule
 from dspark_trt.runtime.solver import best_draft_depth
 
 __all__ = ["DepthPlan", "DepthPlanner"]
@@ -27,6 +29,7 @@ class DepthPlan(NamedTuple):
     explore_ms: float = 0.0  # an exploring step's modelled extra ms over a plain step
     plain_ms: float = 0.0  # an exploring step's modelled ms without drafting
     charged_ms: float = 0.0  # what the exploration schedule charged for it (its catch-up included)
+    checking: bool = False  # a plain check: no drafting although the model plans some (plain_check.py)
 
 
 class _CachedPlan(NamedTuple):
@@ -49,6 +52,7 @@ class DepthPlanner:
         self.sequential, self.catch_up_ms = sequential, catch_up_ms
         self._cache: dict[tuple[int, int], _CachedPlan] = {}
         self.exploration = ExplorationSchedule(tuning.explore_budget)
+        self.plain_checks = PlainCheckSchedule(tuning.plain_check_every)
 
     def plan(self, batch, cost) -> DepthPlan:
         if not batch.n_adaptive:
@@ -66,10 +70,11 @@ class DepthPlanner:
         key = (n_adaptive, n_decode)
         cached = self._cache.get(key)
         if cached is None or cached.steps_left <= 0:
-            cached = self._best(n_adaptive, n_decode, cost)
+            cached = self._best(n_adaptive, n_decode, cost, catch_up() if catch_up is not None else 0.0)
         best = cached.depth
         self._cache[key] = cached._replace(steps_left=cached.steps_left - 1)
         if best == 0:
+            self.plain_checks.idle(n_decode)
             # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
             # plan (at most plan_every steps on) reads what it observed.
             charged = self.exploration.due(n_decode, cached.plain_ms, cached.explore_ms, catch_up or 0.0)
@@ -77,14 +82,23 @@ class DepthPlanner:
                 self._cache.pop(key)
                 return DepthPlan(1, True, cached.explore_ms, cached.plain_ms, charged)
             return DepthPlan(0)
+        if self.plain_checks.due(n_decode):
+            self._cache.pop(key)  # the next plan reads what the check observed
+            return DepthPlan(0, checking=True)
         return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
 
-    def _best(self, n_adaptive: int, n_decode: int, cost) -> _CachedPlan:
-        """The model's plan: best draft depth, and what a plain and an exploring step cost."""
+    def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0) -> _CachedPlan:
+        """The model's plan: best draft depth, and what a plain and an exploring step cost. behind_ms: the
+        modelled ms of the draft catching up on what it has not seen, which drafting pays before its first
+        call: spread over the plan's steps, as the price of starting to draft. Unpriced, a model that put
+        plain decoding and drafting close (64 requests) switched between them every few plans and paid a
+        catch-up of every row's recent text each time: two thirds of the full-width time went to drafting
+        steps at 0.87x plain decoding's tokens per ms."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
         explore_draft_ms = draft_ms
+        spec += behind_ms / self.tuning.plan_every
         if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
             draft_ms, spec = 0.0, spec + draft_ms
         depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
