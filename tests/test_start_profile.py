@@ -66,10 +66,10 @@ def test_distorted_profiles_price_drafting_dearer_or_verifying_flat(tiny_artifac
     assert json.loads(dear.read_text())["meta"]["artifact"] == good["meta"]["artifact"]
 
 
-def test_every_run_starts_cold_from_the_start_profile_and_the_artifact_keeps_its_own(
-        tiny_artifact, good_profile, tmp_path, monkeypatch):
+def _cold_starts(good_profile, tmp_path, monkeypatch):
+    """A start profile with draft costs 3x too high, and a spy on the runtimes every run starts cold on:
+    (path, list of (fresh runtime, same engines, its draft table, calls observed, steps))."""
     from dspark_trt.bench import start_profile
-    from dspark_trt.bench.harness import run_bench
 
     dear = tmp_path / "dear.json"
     _distort_module().main([str(good_profile), str(dear), "--draft-scale", "3"])
@@ -84,15 +84,27 @@ def test_every_run_starts_cold_from_the_start_profile_and_the_artifact_keeps_its
         return rt
 
     monkeypatch.setattr(start_profile, "cold_runtime", spy)
+    return dear, started
+
+
+def _all_cold(started, dear, runs: int) -> None:
+    expected = list(np.asarray(json.loads(dear.read_text())["draft_ms"]))
+    assert len(started) == runs
+    for fresh, same_engines, draft, observed, steps in started:
+        assert fresh and same_engines and observed == 0 and steps == 0
+        np.testing.assert_allclose(draft, expected)
+
+
+def test_every_run_starts_cold_from_the_start_profile_and_the_artifact_keeps_its_own(
+        tiny_artifact, good_profile, tmp_path, monkeypatch):
+    from dspark_trt.bench.harness import run_bench
+
+    dear, started = _cold_starts(good_profile, tmp_path, monkeypatch)
     before = _artifact_profiles(tiny_artifact)
     out = run_bench(tiny_artifact, concurrency="1,4", modes="adaptive,off,fixed:2", num_prompts=8,
                     max_new_tokens=64, out_dir=tmp_path / "b", progress=False, rounds=2, start_profile=dear)
     assert _artifact_profiles(tiny_artifact) == before  # neither read nor written over
-    expected = list(np.asarray(json.loads(dear.read_text())["draft_ms"]))
-    assert len(started) == 2 * 3 * 2  # levels x modes x rounds
-    for fresh, same_engines, draft, observed, steps in started:
-        assert fresh and same_engines and observed == 0 and steps == 0
-        np.testing.assert_allclose(draft, expected)
+    _all_cold(started, dear, 2 * 3 * 2)  # levels x modes x rounds
     res = json.loads((out / "results.json").read_text())
     assert res["settings"]["start_profile"] == str(dear)
     assert any("started cold" in n for n in res["notes"])
@@ -109,30 +121,15 @@ def test_every_run_starts_cold_from_the_start_profile_and_the_artifact_keeps_its
 def test_the_open_loop_starts_every_run_cold_from_the_start_profile_too(
         tiny_artifact, good_profile, tmp_path, monkeypatch):
     """Each open loop used to start from the profile the previous one saved, so consecutive runs differed."""
-    from dspark_trt.bench import start_profile
     from dspark_trt.bench.open_loop import run_open_loop
 
-    dear = tmp_path / "dear.json"
-    _distort_module().main([str(good_profile), str(dear), "--draft-scale", "3"])
-    started = []
-    cold = start_profile.cold_runtime
-
-    def spy(warm, path):
-        rt = cold(warm, path)
-        started.append((rt is not warm, rt.backend is warm.backend, list(rt.cost.draft_table()), rt.metrics.steps))
-        return rt
-
-    monkeypatch.setattr(start_profile, "cold_runtime", spy)
+    dear, started = _cold_starts(good_profile, tmp_path, monkeypatch)
     before = _artifact_profiles(tiny_artifact)
     out = run_open_loop(tiny_artifact, rates="2", modes="adaptive,off", workload="short:prompt=8-16,out=4-8",
                         num_prompts=3, capacity="40", rounds=2, out_dir=tmp_path / "o", warmup=False,
                         progress=False, start_profile=dear)
     assert _artifact_profiles(tiny_artifact) == before
-    assert len(started) == 2 * 2  # modes x rounds
-    expected = list(np.asarray(json.loads(dear.read_text())["draft_ms"]))
-    for fresh, same_engines, draft, steps in started:
-        assert fresh and same_engines and steps == 0
-        np.testing.assert_allclose(draft, expected)
+    _all_cold(started, dear, 2 * 2)  # modes x rounds
     res = json.loads((out / "results.json").read_text())
     assert res["settings"]["start_profile"] == str(dear) and any("started cold" in n for n in res["notes"])
     assert all(e["completed"] == 2 * 3 and e["failed"] == 0 for e in res["open_loop"])  # rounds x requests
