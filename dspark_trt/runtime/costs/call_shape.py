@@ -33,12 +33,13 @@ A factor per width corrects the level, never the shape: a profile recorded with 
 (every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying
 deep at any load (measured at 16 and 64 requests: 0.75x the best fixed K for a whole bench run). So every
 ``refit_every`` observed calls are checked: when, at some width, calls of different query depths (longest
-query, to the nearest power of two) are off the model by levels more than ``refine_margin`` apart, the
-depth slope is wrong, and the call and token coefficients are refitted to those calls (each divided by its
-width's drift factor when observed, each width's mean log-ratio taken out: the level is the drift's job)
-together with what the model predicts now on a grid of shapes, weighing as much as the calls (each refit
-moves the model about halfway; relative errors, since calls run from 1 to 50 ms). Each width's drift then
-moves by what the refit changed its calls' level by.
+query, to the nearest power of two) are off the model by levels more than ``refine_margin`` apart (and
+by three standard errors: noise alone set refits off), the depth slope is wrong, and the call and token
+coefficients are refitted to those calls (each divided by its width's drift factor when observed, each
+width's mean log-ratio taken out: the level is the drift's job) together with what the model predicts now
+on a grid of shapes, weighing as much as the calls (each refit moves the model about halfway; errors
+relative to the prediction, since calls run from 1 to 50 ms). Each width's drift then moves by what the
+refit changed its calls' level by, and each kind's offset by what it changed that kind's calls by.
 
 The past and padded-attention coefficients stay as the profile measured them. Within a window the past
 grows with time while the machine's speed moves: a refit of the past term read that drift as a cost of
