@@ -83,7 +83,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
         parse_modes(modes)
     manifest = load_manifest(artifact_dir)
     if start_profile is not None:
-        from dspark_trt.bench.start_profile import check_start_profile, cold_runtime, runtime_from
+        from dspark_trt.bench.start_profile import check_start_profile, cold_run, runtime_from
 
         if peers:
             raise DsparkError("--start-profile measures our modes from a cold start; run --peers separately")
@@ -201,12 +201,9 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                             raw[m].append(_measure(rt, prompts, m, c, n_req, int(max_new_tokens),
                                                    float(temperature), int(seed), bar))
                             continue
-                        cold = cold_runtime(rt, start_profile)
-                        try:
+                        with cold_run(rt, start_profile) as cold:
                             raw[m].append(_measure(cold, prompts, m, c, n_req, int(max_new_tokens),
                                                    float(temperature), int(seed), bar))
-                        finally:
-                            cold.close()
                 rows = _aggregate(raw, c, max_draft, cost, float(temperature))
                 if c == 1 and "off" in raw:
                     off_c1 = raw["off"][0]["requests"]

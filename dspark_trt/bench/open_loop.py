@@ -299,13 +299,10 @@ class _driver:
             raise DsparkError("the runtime did not go idle between benchmark runs (a step hung?)")
         if self.start_profile is None:
             return run_inprocess(self.runtime, items, arrivals, mode)
-        from dspark_trt.bench.start_profile import cold_runtime
+        from dspark_trt.bench.start_profile import cold_run
 
-        cold = cold_runtime(self.runtime, self.start_profile)
-        try:
+        with cold_run(self.runtime, self.start_profile) as cold:
             return run_inprocess(cold, items, arrivals, mode)
-        finally:
-            cold.close()
 
     def warmup(self, items, modes) -> None:
         """One untimed burst, every mode, short answers (sessions, allocators, caches, the HTTP stack)."""

@@ -14,6 +14,7 @@ wrong starts worth measuring.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from dspark_trt.errors import DsparkError
@@ -54,6 +55,16 @@ def cold_runtime(warm, path: Path):
     rt = Runtime(warm.artifact_dir, warm.manifest, warm.backend, warm.tokenizer, tuning=warm.tuning)
     rt.profile_name = warm.profile_name
     return _starting_from(rt, path)
+
+
+@contextmanager
+def cold_run(warm, path: Path):
+    """A :func:`cold_runtime` for one run, closed after it."""
+    rt = cold_runtime(warm, path)
+    try:
+        yield rt
+    finally:
+        rt.close()
 
 
 def _starting_from(rt, path: Path):

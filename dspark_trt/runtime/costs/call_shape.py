@@ -133,13 +133,18 @@ class CallShapeCost:
             raise ValueError(f"need at least {len(FEATURES)} call shapes as [tokens, rows, longest, past, ms]")
         return cls(fit_nonnegative(features(*a[:, :4].T), a[:, 4]))
 
-    def drift(self, rows: int, longest: int | None = None) -> float:
-        """The log drift factor applied to calls of this many rows (and this longest query: plus the offset
-        of its kind, plain or verifying, once that kind was observed at this width)."""
+    def drift(self, rows: int, longest=None):
+        """The log drift factor applied to calls of this many rows; with `longest` (a call's longest query, or
+        an array of them) plus the offset of each call's kind, plain or verifying, once that kind was
+        observed at this width."""
         w = load_bucket(rows)
         own = self.width_drift.get(w, self.log_drift)
-        seen = None if longest is None else self.kind_offset.get((w, longest > 1))
-        return own if seen is None else min(max(own + seen[0], self.bounds[0]), self.bounds[1])
+        if longest is None:
+            return own
+        plain, verify = (self.kind_offset.get((w, kind), (0.0,))[0] for kind in (False, True))
+        if np.ndim(longest) == 0:
+            return min(max(own + (verify if longest > 1 else plain), self.bounds[0]), self.bounds[1])
+        return np.clip(own + np.where(np.asarray(longest) > 1, verify, plain), *self.bounds)
 
     def ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
         """Predicted ms of one call (drift-corrected); chunk: a prompt chunk among decode rows."""
@@ -157,16 +162,7 @@ class CallShapeCost:
         than verifying, which no call does."""
         c = self.coef
         base = (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
-        return np.maximum.accumulate(np.atleast_1d(base * np.exp(self._levels(rows, longest))))
-
-    def _levels(self, rows: int, longest) -> np.ndarray | float:
-        """drift(rows, q) for every q of an array of longest queries."""
-        w = load_bucket(rows)
-        own = self.width_drift.get(w, self.log_drift)
-        lut = np.array([self.kind_offset.get((w, kind), (0.0,))[0] for kind in (False, True)])
-        if not lut.any():
-            return own
-        return np.clip(own + lut[(np.asarray(longest) > 1).astype(np.int64)], *self.bounds)
+        return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
 
     def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False,
                 refit_sample: bool = True) -> None:
