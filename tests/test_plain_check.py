@@ -110,6 +110,50 @@ def test_at_a_width_plain_and_verify_calls_get_their_own_offsets_from_its_level(
     assert grid == pytest.approx([m.ms(t, 64, q, 100) for t, q in ((64, 1), (128, 2), (192, 3), (512, 8))])
 
 
+def _calls(m, n, plain=None, verify=None, seed=0):
+    """n calls at 64 rows: plain ones (one token a row) taking `plain` x the base model, verify ones (three
+    tokens a row) `verify` x, alternating when both are given; 3% noise."""
+    rng = np.random.default_rng(seed)
+    kinds = [k for k in ((64, 1, plain), (192, 3, verify)) if k[2] is not None]
+    for i in range(n):
+        tokens, q, factor = kinds[i % len(kinds)]
+        m.observe(tokens, 64, q, 100, factor * float(rng.lognormal(0, 0.03)) * m.base_ms(tokens, 64, q, 100))
+
+
+def _factors(m):
+    return m.ms(64, 64, 1, 100) / m.base_ms(64, 64, 1, 100), m.ms(192, 64, 3, 100) / m.base_ms(192, 64, 3, 100)
+
+
+@pytest.mark.parametrize("stretch", ["plain", "verify"])
+def test_a_stretch_of_one_kind_leaves_the_other_kind_priced_by_what_it_costs(stretch):
+    # The profile's slope is wrong: at 64 rows verifying is 1.25x the model, plain decoding 0.8x. Both kinds
+    # were seen, then only one runs for a while (adaptive drafting for good, or plain for good): the other
+    # kind keeps its price. Learned against a level that followed the stretch, it took the stretch's price
+    # (after drafting, plain decoding looked as dear as verifying: adaptive drafted on at 16 requests, 0.88x
+    # `off`; after plain decoding, verifying looked as cheap as plain).
+    m = CallShapeCost(PROFILED)
+    m.refit_every = 0  # offsets and levels only
+    _calls(m, 64, plain=0.8, verify=1.25)
+    factor = {"plain": 0.8, "verify": 1.25}[stretch]
+    _calls(m, 300, **{stretch: factor}, seed=1)
+    assert _factors(m) == pytest.approx((0.8, 1.25), rel=0.05)
+    # the machine slowing down 1.3x during a stretch slows both
+    _calls(m, 300, **{stretch: 1.3 * factor}, seed=2)
+    assert _factors(m) == pytest.approx((1.3 * 0.8, 1.3 * 1.25), rel=0.06)
+
+
+def test_plain_checks_among_verify_calls_teach_plain_its_price():
+    # Verify calls only, then a plain call every 8th: a few checks price plain decoding (a kind's median
+    # starts short), though the width's level followed the verify calls.
+    m = CallShapeCost(PROFILED)
+    m.refit_every = 0
+    _calls(m, 200, verify=1.25)
+    assert _factors(m)[0] == pytest.approx(1.25, rel=0.05)  # never seen: priced at the width's level
+    for i in range(24):
+        _calls(m, 1, **({"plain": 0.8} if i % 8 == 7 else {"verify": 1.25}), seed=i)
+    assert _factors(m) == pytest.approx((0.8, 1.25), rel=0.05)
+
+
 def test_one_stalled_call_moves_an_offset_by_at_most_half_again():
     m = CallShapeCost(PROFILED)
     m.observe(64, 64, 1, 100, float(features(64, 64, 1, 100) @ PROFILED))

@@ -26,8 +26,13 @@ requests where plain decoding was 1.2x faster). The depth planner checks plain s
 it drafts (phases/plain_check.py), and explores drafting while it does not (exploration.py), so the kind
 it compares against is observed too. Offsets, not levels of their own: a kind seen only now and then is
 measured against the width's level at that time, which the calls around it keep current (the machine's
-speed moved 40% between waves of one run). Two kinds, not an offset per depth: offsets learned from a
-few calls of a rarely run depth made it look cheap, and the planner drafted 7 deep at 41 rows for it.
+speed moved 40% between waves of one run). So the level follows each call net of its kind's offset, and a
+kind's offset learns only while the other kind ran lately at that width: in a stretch of one kind its
+calls cannot tell the level from their offset, and when both followed them, the other kind took the
+stretch's price (after drafting a while, plain decoding was priced as dear as verifying, and adaptive
+drafted on at 16 requests at 0.88x `off`: plain checks could not move a median of 16). Two kinds, not an
+offset per depth: offsets learned from a few calls of a rarely run depth made it look cheap, and the
+planner drafted 7 deep at 41 rows for it.
 
 A factor per width corrects the level, never the shape: a profile recorded with a flat verify curve
 (every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying
@@ -115,6 +120,7 @@ class CallShapeCost:
         self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
         # per (width bucket, verifies: longest query > 1): [log offset from the width's level, recent innovations]
         self.kind_offset: dict[tuple[int, bool], list] = {}
+        self._recent_kinds: dict[int, deque] = {}  # per width bucket: the kinds of its last RECENT calls
         self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
         # The padded-attention coefficient of a prompt chunk among decode rows, learned from such calls (only
@@ -183,17 +189,23 @@ class CallShapeCost:
         if not pred > 0:
             return
         x = math.log(ms / pred)
-        self.width_drift[w] = min(max(own + self.alpha * (x - own), lo), hi)
+        kind = longest > 1
+        offset = None if chunk_among_rows else self.kind_offset.get((w, kind))
+        # The level is the machine's speed at this width: it follows each call net of its kind's offset.
+        self.width_drift[w] = min(max(own + self.alpha * (x - own - (offset[0] if offset else 0.0)), lo), hi)
         if not chunk_among_rows:  # those teach the chunk's padding
             # A kind's offset: the median of its calls' recent innovations (log ratio over the width's level
             # before the call, within a factor 1.5), an offset of 0 counting as one until RECENT calls were
             # seen. A median: plain calls seen only in a check now and then are few, and stalls happen (the
             # first plain call of a run took 8x its prediction, measured), which a mean carried for a while.
-            offset = self.kind_offset.get((w, longest > 1))
+            # Learned only while the other kind ran lately at this width (module docstring).
             if offset is None:
-                offset = self.kind_offset[(w, longest > 1)] = [0.0, deque([0.0], maxlen=self.RECENT)]
-            offset[1].append(min(max(x - own, -self.STEP), self.STEP))
-            offset[0] = statistics.median(offset[1])
+                offset = self.kind_offset[(w, kind)] = [0.0, deque([0.0], maxlen=self.RECENT)]
+            recent = self._recent_kinds.setdefault(w, deque(maxlen=self.RECENT))
+            if (not kind) in recent:
+                offset[1].append(min(max(x - own, -self.STEP), self.STEP))
+                offset[0] = statistics.median(offset[1])
+            recent.append(kind)
         self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
         if self.refit_every > 0 and refit_sample:
             # in the model's units: what the base should have said, the width's level at the time taken out

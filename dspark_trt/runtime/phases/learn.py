@@ -57,7 +57,7 @@ class Learner:
             "drafted": [len(drafts[r.id].tokens) if r.id in drafts else 0 for r in decode],
             "draft_ms": drafted.engine_ms, "target_ms": result.target_ms, "target_tokens": result.target_tokens,
             "target_calls": result.calls, "prompts_held": len(batch.held), "solver_us": plan.solver_us,
-            "plain_check": depth.checking,
+            "plain_check": depth.checking, "explore": depth.exploring,
             "predicted_accepted": plan.predicted_accepted, "predicted_ms": predicted_ms, "measured_ms": wall_ms})
         if decode and wall_ms > 0:
             self._rates(batch, depth, drafted, plan, result, wall_ms)
