@@ -142,6 +142,24 @@ def test_a_stretch_of_one_kind_leaves_the_other_kind_priced_by_what_it_costs(str
     assert _factors(m) == pytest.approx((1.3 * 0.8, 1.3 * 1.25), rel=0.06)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_explorations_now_and_then_leave_plain_decodings_price_alone(seed):
+    # Plain decoding with an exploration every 31st call whose verify call costs 1.35x the model: the
+    # exploration's surprise is its kind's offset, not the machine's speed, so plain decoding stays priced
+    # within 4% (moved by it, the level handed each exploration's error to plain's offset: 5-6% off).
+    m = CallShapeCost(PROFILED)
+    m.refit_every = 0
+    rng = np.random.default_rng(seed)
+    worst = 0.0
+    for i in range(31 * 40):
+        tokens, q, factor = (192, 3, 1.35) if i % 31 == 30 else (64, 1, 1.0)
+        m.observe(tokens, 64, q, 100, factor * float(rng.lognormal(0, 0.05)) * m.base_ms(tokens, 64, q, 100))
+        if i > 31 * 10:
+            worst = max(worst, abs(math.log(_factors(m)[0])))
+    assert worst < math.log(1.04)
+    assert _factors(m)[1] == pytest.approx(1.35, rel=0.08)
+
+
 def test_plain_checks_among_verify_calls_teach_plain_its_price():
     # Verify calls only, then a plain call every 8th: a few checks price plain decoding (a kind's median
     # starts short), though the width's level followed the verify calls.

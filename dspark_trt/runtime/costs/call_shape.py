@@ -26,11 +26,12 @@ requests where plain decoding was 1.2x faster). The depth planner checks plain s
 it drafts (phases/plain_check.py), and explores drafting while it does not (exploration.py), so the kind
 it compares against is observed too. Offsets, not levels of their own: a kind seen only now and then is
 measured against the width's level at that time, which the calls around it keep current (the machine's
-speed moved 40% between waves of one run). So the level follows each call net of its kind's offset, and a
-kind's offset learns only while the other kind ran lately at that width: in a stretch of one kind its
-calls cannot tell the level from their offset, and when both followed them, the other kind took the
-stretch's price (after drafting a while, plain decoding was priced as dear as verifying, and adaptive
-drafted on at 16 requests at 0.88x `off`: plain checks could not move a median of 16). Two kinds, not an
+speed moved 40% between waves of one run). The kind a width mostly ran among its last 16 calls moves the
+level (net of its offset), the other kind learns its offset against it, and in a tie both happen: in a
+stretch of one kind its calls cannot tell the level from their offset, and when both followed them the
+other kind took the stretch's price (after drafting a while, plain decoding was priced as dear as
+verifying, and adaptive drafted on at 16 requests at 0.88x `off`: plain checks could not move a median of
+16); a rare kind's call that moved the level too handed its own error to the common kind's offset. Two kinds, not an
 offset per depth: offsets learned from a few calls of a rarely run depth made it look cheap, and the
 planner drafted 7 deep at 41 rows for it.
 
@@ -170,14 +171,13 @@ class CallShapeCost:
         base = (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
         return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
 
-    def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False,
-                refit_sample: bool = True) -> None:
+    def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False) -> None:
         """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded).
         chunk_among_rows: the call packed a prompt chunk with decode rows (the padded attention shows).
-        refit_sample: the call also counts towards the next refit (the runtime samples one step in
-        cost_observe_every: refits from every call came four times as often, and each moves the call and
-        token coefficients a little where the calls cannot pin them; over a bench run they fell to 0.003
-        and 0, and at one request adaptive then drafted at tau 1.9 against fixed K's 3-4)."""
+        Every call counts towards the next refit. (Refits from one step in cost_observe_every recovered from
+        a flat profile in a run or four, not one; refits from every call had wandered the call and token
+        coefficients down before they were weighed by the model's prediction and asked for three standard
+        errors, see _apart.)"""
         if not (ms > 0 and math.isfinite(ms)):
             return
         lo, hi = self.bounds
@@ -190,24 +190,30 @@ class CallShapeCost:
             return
         x = math.log(ms / pred)
         kind = longest > 1
-        offset = None if chunk_among_rows else self.kind_offset.get((w, kind))
-        # The level is the machine's speed at this width: it follows each call net of its kind's offset.
-        self.width_drift[w] = min(max(own + self.alpha * (x - own - (offset[0] if offset else 0.0)), lo), hi)
-        if not chunk_among_rows:  # those teach the chunk's padding
+        offset = None
+        if chunk_among_rows:  # those teach the chunk's padding, not a kind's offset
+            majority = minority = True
+        else:
+            offset = self.kind_offset.get((w, kind))
+            if offset is None:
+                offset = self.kind_offset[(w, kind)] = [0.0, deque([0.0], maxlen=self.RECENT)]
+            recent = self._recent_kinds.setdefault(w, deque(maxlen=self.RECENT))
+            recent.append(kind)
+            share = 2 * recent.count(kind) - len(recent)
+            majority, minority = share >= 0, share <= 0  # a tie is both
+        if majority:
+            # The level is the machine's speed at this width: it follows the calls the width mostly makes, net
+            # of their kind's offset (module docstring).
+            self.width_drift[w] = min(max(own + self.alpha * (x - own - (offset[0] if offset else 0.0)), lo), hi)
+        if offset is not None and minority:
             # A kind's offset: the median of its calls' recent innovations (log ratio over the width's level
             # before the call, within a factor 1.5), an offset of 0 counting as one until RECENT calls were
             # seen. A median: plain calls seen only in a check now and then are few, and stalls happen (the
             # first plain call of a run took 8x its prediction, measured), which a mean carried for a while.
-            # Learned only while the other kind ran lately at this width (module docstring).
-            if offset is None:
-                offset = self.kind_offset[(w, kind)] = [0.0, deque([0.0], maxlen=self.RECENT)]
-            recent = self._recent_kinds.setdefault(w, deque(maxlen=self.RECENT))
-            if (not kind) in recent:
-                offset[1].append(min(max(x - own, -self.STEP), self.STEP))
-                offset[0] = statistics.median(offset[1])
-            recent.append(kind)
+            offset[1].append(min(max(x - own, -self.STEP), self.STEP))
+            offset[0] = statistics.median(offset[1])
         self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
-        if self.refit_every > 0 and refit_sample:
+        if self.refit_every > 0:
             # in the model's units: what the base should have said, the width's level at the time taken out
             self._calls.append((tokens, rows, longest, past, ms / math.exp(own)))
             if len(self._calls) >= self.refit_every:

@@ -147,9 +147,8 @@ class Verifier:
         if table is not None and table.call_shape is not None:
             # Every call, unlike the tables (a feed rebuilds them): a few float operations, and at 64 requests
             # a bench run makes ~100 calls of full width, of which one in cost_observe_every taught the
-            # plain and verify offsets too little to tell plain from drafting. Refits keep the sampled steps.
-            table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among,
-                                     refit_sample=self.costs.observing or chunk_among)
+            # plain and verify offsets too little to tell plain from drafting.
+            table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among)
         return outs, ms, tokens, int(m), full
 
     def _zero_probs(self, rows: int) -> np.ndarray:
