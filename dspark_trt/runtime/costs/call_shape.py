@@ -190,10 +190,8 @@ class CallShapeCost:
             return
         x = math.log(ms / pred)
         kind = longest > 1
-        offset = None
-        if chunk_among_rows:  # those teach the chunk's padding, not a kind's offset
-            majority = minority = True
-        else:
+        offset, majority, minority = None, True, False  # a chunk among decode rows teaches no kind's offset
+        if not chunk_among_rows:
             offset = self.kind_offset.get((w, kind))
             if offset is None:
                 offset = self.kind_offset[(w, kind)] = [0.0, deque([0.0], maxlen=self.RECENT)]
@@ -205,7 +203,7 @@ class CallShapeCost:
             # The level is the machine's speed at this width: it follows the calls the width mostly makes, net
             # of their kind's offset (module docstring).
             self.width_drift[w] = min(max(own + self.alpha * (x - own - (offset[0] if offset else 0.0)), lo), hi)
-        if offset is not None and minority:
+        if minority:
             # A kind's offset: the median of its calls' recent innovations (log ratio over the width's level
             # before the call, within a factor 1.5), an offset of 0 counting as one until RECENT calls were
             # seen. A median: plain calls seen only in a check now and then are few, and stalls happen (the
@@ -283,9 +281,10 @@ class CallShapeCost:
             at = width[keep] == w
             own = self.width_drift.get(int(w), self.log_drift)
             self.width_drift[int(w)] = min(max(own - float(change[at].mean()), lo), hi)
-            for (ww, kind), offset in self.kind_offset.items():  # and each kind's by its own calls' change
+            for kind in (False, True):  # and each kind's offset by its own calls' change
+                offset = self.kind_offset.get((int(w), kind))
                 mine = at & ((calls[keep, 2] > 1) == kind)
-                if ww == w and mine.any():
+                if offset is not None and mine.any():
                     shift = float(change[mine].mean() - change[at].mean())
                     offset[1] = deque((v - shift for v in offset[1]), maxlen=self.RECENT)
                     offset[0] = statistics.median(offset[1])
