@@ -148,10 +148,14 @@ class CallShapeCost:
         own = self.width_drift.get(w, self.log_drift)
         if longest is None:
             return own
-        plain, verify = (self.kind_offset.get((w, kind), (0.0,))[0] for kind in (False, True))
-        if np.ndim(longest) == 0:
-            return min(max(own + (verify if longest > 1 else plain), self.bounds[0]), self.bounds[1])
-        return np.clip(own + np.where(np.asarray(longest) > 1, verify, plain), *self.bounds)
+        if isinstance(longest, (int, float, np.number)):
+            return self._kind_drift(w, own, longest > 1)
+        return np.where(np.asarray(longest) > 1, self._kind_drift(w, own, True), self._kind_drift(w, own, False))
+
+    def _kind_drift(self, w: int, own: float, verifies: bool) -> float:
+        """The bounded log drift of one kind of call (plain or verifying) at width bucket w, level `own`."""
+        offset = self.kind_offset.get((w, verifies))
+        return min(max(own + (offset[0] if offset else 0.0), self.bounds[0]), self.bounds[1])
 
     def ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
         """Predicted ms of one call (drift-corrected); chunk: a prompt chunk among decode rows."""
@@ -167,9 +171,13 @@ class CallShapeCost:
         """:meth:`ms` over arrays of token counts and longest queries, both non-decreasing, for one set of rows
         (drift-corrected); never decreasing either: the plain calls' offset may say a plain call costs more
         than verifying, which no call does."""
-        c = self.coef
-        base = (c[0] + c[2] * rows * past / 100.0) + c[1] * tokens + (c[3] * rows / 1000.0) * longest * (past + longest)
-        return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
+        c0, c1, c2, c3 = self.coef.tolist()  # Python floats: this runs every step, on a few dozen entries
+        longest = np.asarray(longest, dtype=np.float64)
+        base = (c0 + c2 * rows * past / 100.0) + c1 * tokens + (c3 * rows / 1000.0) * longest * (past + longest)
+        w = load_bucket(rows)
+        own = self.width_drift.get(w, self.log_drift)
+        factor = np.where(longest > 1, math.exp(self._kind_drift(w, own, True)), math.exp(self._kind_drift(w, own, False)))
+        return np.maximum.accumulate(np.atleast_1d(base * factor))
 
     def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False) -> None:
         """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded).
