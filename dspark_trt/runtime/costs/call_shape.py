@@ -31,9 +31,9 @@ level (net of its offset), the other kind learns its offset against it, and in a
 stretch of one kind its calls cannot tell the level from their offset, and when both followed them the
 other kind took the stretch's price (after drafting a while, plain decoding was priced as dear as
 verifying, and adaptive drafted on at 16 requests at 0.88x `off`: plain checks could not move a median of
-16); a rare kind's call that moved the level too handed its own error to the common kind's offset. Two kinds, not an
-offset per depth: offsets learned from a few calls of a rarely run depth made it look cheap, and the
-planner drafted 7 deep at 41 rows for it.
+16); a rare kind's call that moved the level too handed its own error to the common kind's offset. Two
+kinds, not an offset per depth: offsets learned from a few calls of a rarely run depth made it look cheap,
+and the planner drafted 7 deep at 41 rows for it.
 
 A factor per width corrects the level, never the shape: a profile recorded with a flat verify curve
 (every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying
@@ -174,10 +174,7 @@ class CallShapeCost:
         c0, c1, c2, c3 = self.coef.tolist()  # Python floats: this runs every step, on a few dozen entries
         longest = np.asarray(longest, dtype=np.float64)
         base = (c0 + c2 * rows * past / 100.0) + c1 * tokens + (c3 * rows / 1000.0) * longest * (past + longest)
-        w = load_bucket(rows)
-        own = self.width_drift.get(w, self.log_drift)
-        factor = np.where(longest > 1, math.exp(self._kind_drift(w, own, True)), math.exp(self._kind_drift(w, own, False)))
-        return np.maximum.accumulate(np.atleast_1d(base * factor))
+        return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
 
     def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False) -> None:
         """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded).
