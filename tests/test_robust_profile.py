@@ -129,7 +129,7 @@ def test_measure_records_the_machines_load_and_the_spread(monkeypatch):
     run = lambda feeds, past: (None, None)  # noqa: E731
     rt = SimpleNamespace(backend=SimpleNamespace(run_target=run, run_draft=run, name="ort"), manifest={"files": {}},
                          target_kv=_Cache(), draft_kv=_Cache(), tuning=RuntimeTuning(), max_tokens_per_step=8,
-                         slots_total=2, max_draft=3)
+                         slots_total=2, max_draft=3, wait_prefaulted=lambda: None)
     table = profiling.measure(rt, repeats=2, progress=False)
     assert table.meta["load"] == {"before": [1.0, 0.5, 0.25], "after": [2.0, 1.0, 0.5]}
     assert table.meta["cpu_count"] == profiling.os.cpu_count()

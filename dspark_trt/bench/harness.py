@@ -160,6 +160,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                      "up, nothing learned; no oracle or engine speed: the profile is the thing under test)")
     else:
         rt = Runtime.load(artifact_dir, backend=backend, profile="auto")
+    rt.wait_prefaulted()  # measure a runtime whose caches are mapped, as a server's are after its first minutes
     try:
         if peers:
             peer_list = peer_runs.start(engines, manifest, [p.ids for p in prompts], python,

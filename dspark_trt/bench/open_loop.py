@@ -280,6 +280,8 @@ class _driver:
             from dspark_trt.runtime.runtime import Runtime
 
             self.runtime = Runtime.load(artifact_dir, backend=backend, profile="auto")
+        if self.runtime is not None:
+            self.runtime.wait_prefaulted()
         return self
 
     def __exit__(self, *exc):

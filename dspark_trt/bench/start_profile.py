@@ -54,6 +54,8 @@ def cold_runtime(warm, path: Path):
 
     rt = Runtime(warm.artifact_dir, warm.manifest, warm.backend, warm.tokenizer, tuning=warm.tuning)
     rt.profile_name = warm.profile_name
+    rt.prefault_caches()
+    rt.wait_prefaulted()  # fresh caches: their page faults are not what a start profile is tested for
     return _starting_from(rt, path)
 
 

@@ -118,6 +118,7 @@ class Runtime:
         # close() saves what the tables learned in place of the artifact's profile (costs/profiling.py
         # persist_refined); off for runtimes started from a profile that is not the artifact's own.
         self.persist_profile = True
+        self._prefault = None  # (thread, stop) mapping the host caches' pages (prefault.py); load() starts it
 
     def _make_drafter(self, make_cache, kv_dtype):
         """The drafter phase of the artifact's drafter kind (both implement draft / observe / prepare_call)."""
@@ -190,6 +191,7 @@ class Runtime:
         rt = cls(artifact_dir, manifest, be, tok, max_batch=max_batch, max_queue=max_queue, recalibrate=recalibrate,
                  tuning=tuning, max_context=max_context)
         rt.profile_name = backend
+        rt.prefault_caches()
         if profile != "none":
             from dspark_trt.runtime.costs.profiling import load_or_profile
 
@@ -339,7 +341,25 @@ class Runtime:
             finally:
                 self._in_step = False
 
+    def prefault_caches(self) -> None:
+        """Start mapping the host KV caches' pages in the background, so that first writes do not fault
+        (prefault.py); load() calls it."""
+        from dspark_trt.runtime.prefault import prefault_in_background
+
+        if self._prefault is None:
+            drafting = getattr(self.drafter, "drafting", None)
+            caches = [self.target_kv, self.draft_kv, getattr(drafting, "cache", None)]
+            self._prefault = prefault_in_background(
+                [b for c in caches if isinstance(c, KVCache) for b in (*c.keys, *c.values)])
+
+    def wait_prefaulted(self) -> None:
+        """Block until prefault_caches() is done: before timing anything (the profiler, the bench)."""
+        if self._prefault is not None:
+            self._prefault[0].join()
+
     def close(self) -> None:
+        if self._prefault is not None:
+            self._prefault[1].set()
         with self._lock:
             self._closed = True
             self._lock.notify_all()

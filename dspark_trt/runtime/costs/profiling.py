@@ -90,6 +90,7 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
 
     max_tokens = max_tokens or min(rt.max_tokens_per_step, rt.slots_total * (rt.max_draft + 1))
     max_batch = max_batch or rt.slots_total
+    rt.wait_prefaulted()  # its page faults would be timed with the calls
 
     p = rt.tuning.profile
     repeats = repeats or p.repeats

@@ -1,0 +1,90 @@
+"""Mapping the KV caches' pages ahead of first use (runtime/prefault.py): contents untouched, pages resident,
+writes made meanwhile kept, and the runtime starting it at load and waiting for it before timing."""
+
+import mmap
+import sys
+
+import numpy as np
+import pytest
+
+from dspark_trt.runtime import prefault as pf
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def _can_populate() -> bool:
+    probe = np.zeros(4 * mmap.PAGESIZE, dtype=np.uint8)
+    return pf.prefault([probe])
+
+
+@linux_only
+def test_prefault_maps_the_pages_and_leaves_the_contents():
+    if not _can_populate():
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    # 2 MiB of fresh anonymous memory (np.zeros might reuse heap pages that are already mapped)
+    region = mmap.mmap(-1, 2 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    cache = np.frombuffer(region, dtype=np.float32).reshape(512, 8, 2, 64)
+    cache[7, 3] = 1.5  # a page already written
+    before = _resident_bytes()
+    assert pf.prefault([cache])
+    assert _resident_bytes() - before >= 0.9 * cache.nbytes - mmap.PAGESIZE
+    expected = np.zeros_like(cache)
+    expected[7, 3] = 1.5
+    np.testing.assert_array_equal(cache, expected)
+
+
+@linux_only
+def test_writes_made_while_the_background_thread_maps_pages_are_kept():
+    cache = np.zeros((1024, 16, 2, 64), dtype=np.float32)  # 8 MiB
+    job = pf.prefault_in_background([cache])
+    assert job is not None
+    rng = np.random.default_rng(0)
+    rows = rng.choice(1024 * 16, size=500, replace=False)
+    flat = cache.reshape(1024 * 16, 128)
+    for i, r in enumerate(rows):
+        flat[r] = i + 1.0
+    job[0].join()
+    assert (flat[rows, 0] == np.arange(1, 501)).all()
+    assert np.count_nonzero(flat) == 500 * 128
+
+
+def test_a_stopped_prefault_ends_early_and_tiny_buffers_start_nothing():
+    import threading
+
+    stop = threading.Event()
+    stop.set()
+    cache = np.zeros(1 << 20, dtype=np.uint8)
+    assert pf.prefault([cache], stop) in (True, False)  # returns at once, whatever the platform
+    assert pf.prefault_in_background([np.zeros(8, dtype=np.float32)]) is None
+
+
+def test_the_runtime_maps_its_caches_at_load_and_the_profiler_waits_for_it(tiny_artifact, monkeypatch):
+    from dspark_trt.runtime import runtime as runtime_module
+    from dspark_trt.runtime.costs import profiling
+
+    seen = []
+    real = pf.prefault_in_background
+
+    def record(buffers):
+        seen.extend(buffers)
+        return real(buffers)
+
+    monkeypatch.setattr(pf, "prefault_in_background", record)
+    rt = runtime_module.Runtime.load(tiny_artifact, backend="ort", profile="none")
+    try:
+        ids = {id(b) for b in seen}
+        assert all(id(b) in ids for c in (rt.target_kv, rt.draft_kv) for b in (*c.keys, *c.values))
+        calls = []
+        wait = rt.wait_prefaulted
+        rt.wait_prefaulted = lambda: calls.append(rt._prefault is not None) or wait()
+        profiling.measure(rt, repeats=1, progress=False)
+        assert len(calls) == 1
+        assert rt._prefault is None or not rt._prefault[0].is_alive()  # done before any call was timed
+    finally:
+        rt.persist_profile = False
+        rt.close()
