@@ -35,6 +35,10 @@ GREEDY_DRAFT_OUTPUTS = ["draft_token", "survival", "confidence_logit"]
 TARGET_INPUTS = PACKED_INPUTS + ["verify_index", "verify_lens", "draft_tokens", "draft_probs", "temperature",
                                  "accept_uniforms", "sample_uniforms"]
 TARGET_OUTPUTS = ["accepted", "next_token"]
+# The ORT flavour's decoding graph (graphs.target.ort.decode; exporter/graphs.TargetDecodeStep): tokens
+# [rows, T], all scored; past and present slot-major [rows, KVH, max_context, D].
+DECODE_INPUTS = ["tokens", "past_lens", "verify_lens", "draft_tokens", "draft_probs", "temperature",
+                 "accept_uniforms", "sample_uniforms"]
 
 
 def kv_names(num_layers: int, prefix: str) -> list[str]:

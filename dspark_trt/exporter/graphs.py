@@ -164,3 +164,26 @@ class TargetStep(_PackedGraph):
                                       accept_uniforms, sample_uniforms)
         extra = (logits,) if self.debug_logits else ()
         return (accepted, next_token, *present, *extra)
+
+
+class TargetDecodeStep(nn.Module):
+    """The target step of the ORT flavour's `decode` graph: T new tokens in each of B rows, every one of them
+    scored (T = 1: plain decoding; T = 1 + drafts: verifying one request), over slot-major caches
+    [B, KVH, max_context, D] whose row b is cache slot b (the ORT backend keeps them beside the host cache:
+    runtime/backends/ort_decode.py). Attention is one GroupQueryAttention node a layer that reads the past
+    in place, where the packed graph gathers every row's past first. The same acceptance ops as
+    TargetStep over the same rows, so its tokens are the packed graph's, draw for draw."""
+
+    def __init__(self, fused_decoder):
+        super().__init__()
+        self.decoder = fused_decoder
+        self.num_layers = fused_decoder.config.num_hidden_layers
+
+    def forward(self, tokens, past_lens, verify_lens, draft_tokens, draft_probs, temperature, accept_uniforms,
+                sample_uniforms, *past):
+        d = self.decoder
+        hidden, present = d.layers.forward_decode(d.embed_tokens(tokens), past_lens, list(past))
+        logits = d.lm_head(hidden.flatten(0, 1)).float()  # [B * T, V]
+        accepted, next_token = accept(logits, draft_tokens, verify_lens, draft_probs, temperature,
+                                      accept_uniforms, sample_uniforms)
+        return (accepted, next_token, *present)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from dspark_trt.exporter.graphs import DraftStep, GreedyDraftStep, TargetStep
-from dspark_trt.manifest import (DRAFT_INPUTS, DRAFT_OUTPUTS, GREEDY_DRAFT_INPUTS, GREEDY_DRAFT_OUTPUTS, TARGET_INPUTS,
+from dspark_trt.exporter.graphs import DraftStep, GreedyDraftStep, TargetDecodeStep, TargetStep
+from dspark_trt.manifest import (DECODE_INPUTS, DRAFT_INPUTS, DRAFT_OUTPUTS, GREEDY_DRAFT_INPUTS, GREEDY_DRAFT_OUTPUTS, TARGET_INPUTS,
                                  TARGET_OUTPUTS, kv_names)
 
 # Example sizes used for tracing; all distinct and >= 2 so no dim is specialised or aliased.
@@ -99,14 +99,34 @@ def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: in
     return _export(step, args, TARGET_INPUTS, outputs, step.num_layers, path, external_data)
 
 
-def _export(module, args, input_names, output_names, num_layers, path: Path, external_data: str) -> list[str]:
+def export_target_decode(step: TargetDecodeStep, path: Path, max_context: int, dtype, vocab: int,
+                         external_data: str = "auto") -> list[str]:
+    """The ORT flavour's decoding graph (exporter/graphs.TargetDecodeStep): rows and tokens a row dynamic,
+    the caches' position axis max_context long."""
+    cfg = step.decoder.config
+    rows, t = 3, 2
+    m = rows * t
+    args = (torch.arange(m).reshape(rows, t) % 7, torch.tensor([EX_PAST, 0, EX_PAST + 2]),
+            torch.full((rows,), t - 1), torch.zeros(m, dtype=torch.int64), torch.full((m, vocab), 1.0 / vocab),
+            torch.tensor([0.0, 0.7, 1.0]), torch.full((m,), 0.5), torch.tensor([0.1, 0.5, 0.9])) + tuple(
+        torch.zeros(rows, cfg.num_key_value_heads, max_context, cfg.head_dim, dtype=dtype)
+        for _ in range(2 * step.num_layers))
+    d = torch.export.Dim
+    r, q, mm = d("num_requests", min=1), d("query_len", min=1), d("verify_rows", min=1)
+    shapes = ({0: r, 1: q}, {0: r}, {0: r}, {0: mm}, {0: mm}, {0: r}, {0: mm}, {0: r}) + \
+        (tuple({0: r} for _ in range(2 * step.num_layers)),)
+    return _export(step, args, DECODE_INPUTS, TARGET_OUTPUTS, step.num_layers, path, external_data, shapes)
+
+
+def _export(module, args, input_names, output_names, num_layers, path: Path, external_data: str,
+            dynamic_shapes=None) -> list[str]:
     """Export and save one graph; returns the files written (the .onnx, and its .data when external)."""
     from dspark_trt.exporter.external_data import save_program
     from dspark_trt.plugins.onnx_functions import attach_functions
 
     names = list(input_names) + kv_names(num_layers, "past")
-    outs = list(output_names[:2] if module.__class__.__name__ == "TargetStep" else output_names)
-    if module.__class__.__name__ == "TargetStep":
+    target = module.__class__.__name__ in ("TargetStep", "TargetDecodeStep")
+    if target:
         outs = list(output_names[:2]) + kv_names(num_layers, "present") + list(output_names[2:])
     else:
         outs = list(output_names) + kv_names(num_layers, "present")
@@ -115,6 +135,7 @@ def _export(module, args, input_names, output_names, num_layers, path: Path, ext
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(module, args, dynamo=True, input_names=names, output_names=outs,
-                                    dynamic_shapes=_dynamic_shapes(input_names, num_layers), optimize=True,
+                                    dynamic_shapes=dynamic_shapes or _dynamic_shapes(input_names, num_layers),
+                                    optimize=True,
                                     verbose=False)
     return save_program(program, path, external_data, attach_functions)

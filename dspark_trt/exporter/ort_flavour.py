@@ -4,6 +4,9 @@
 graphs and records each under `graphs.<graph>.ort` ({"file", "flavour"}) with its sha256 in `files`.
 The ORT backend runs that file when the entry is there and the standard one otherwise (artifacts from
 before the flavour existed); TensorRT always builds from the standard graph.
+
+The target's flavour also has a plain decoding graph, `target.decode.ort.onnx` (graphs.target.ort.decode;
+exporter/graphs.TargetDecodeStep, runtime/backends/ort_decode.py): its own I/O, fixed by the code that runs it.
 """
 
 from __future__ import annotations
@@ -37,6 +40,19 @@ def export_ort_graph(graph: str, step, out_dir: Path, num_slots: int, dtype, voc
         return export(twin, path, num_slots, dtype, external_data)
     twin = TargetStep(fused, step.debug_logits).eval()
     return export_target(twin, path, num_slots, dtype, vocab, external_data)
+
+
+DECODE_FILE = "target.decode.ort.onnx"
+
+
+def export_ort_decode(step, out_dir: Path, dtype, vocab: int, max_positions: int, external_data: str) -> list[str]:
+    """The target's decoding graph (new tokens, all scored, over slot-major caches max_positions long)."""
+    from dspark_trt.exporter.graphs import TargetDecodeStep
+    from dspark_trt.exporter.onnx_export import export_target_decode
+    from dspark_trt.models.ort_fused import FusedDecoder
+
+    decode = TargetDecodeStep(FusedDecoder(step.decoder, max_positions)).eval()
+    return export_target_decode(decode, Path(out_dir) / DECODE_FILE, max_positions, dtype, vocab, external_data)
 
 
 def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused", file: str | None = None) -> None:

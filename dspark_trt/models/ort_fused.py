@@ -112,6 +112,47 @@ class FusedAttention(nn.Module):
         return self.o_proj(out[batch.unpack_index]), k.unflatten(-1, (kvh, d)), v.unflatten(-1, (kvh, d))
 
 
+    def forward_decode(self, x, positions, seqlens, total, past_k, past_v, tables):
+        """T new tokens in each of B rows over slot-major caches (x [B, T, hidden], positions [B, T], past
+        [B, KVH, max_context, D], row b the cache's slot b): -> (attention output [B, T, hidden], the caches
+        with the new entries written at positions). Under export a GroupQueryAttention node that reads the
+        past in place and, with its present outputs bound to the same buffers, writes only the new entries
+        (ONNX Runtime takes T > 1 only when B = 1)."""
+        h, kvh, d = self.n_heads, self.n_kv, self.head_dim
+        q, k, v = self.qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
+        if self.q_norm is not None:
+            q = rms_norm(q.unflatten(-1, (h, d)), self.q_norm.weight, self.q_norm.eps).flatten(-2)
+            k = rms_norm(k.unflatten(-1, (kvh, d)), self.k_norm.weight, self.k_norm.eps).flatten(-2)
+        k = rotary(k, positions, *tables, kvh)
+        q = rotary(q, positions, *tables, h)
+        out, present_k, present_v = group_query_attention(q, k, v, past_k, past_v, seqlens, total, h, kvh)
+        return self.o_proj(out), present_k, present_v
+
+
+def group_query_attention(q, k, v, past_k, past_v, seqlens, total, num_heads: int, kv_heads: int):
+    """q [B, T, H*D], k/v [B, T, KVH*D] (rotated), past [B, KVH, Pmax, D], seqlens [B] int32 (each row's
+    past length + T - 1: its new entries go at seqlens - T + 1 on), total: max(seqlens) + 1 as an int32
+    scalar. Causal within the new tokens."""
+    b, t, d = q.shape[0], q.shape[1], past_k.shape[-1]
+    if _exporting():
+        return torch.onnx.ops.symbolic_multi_out(
+            f"{MS}::GroupQueryAttention", [q, k, v, past_k, past_v, seqlens, total],
+            attrs={"num_heads": num_heads, "kv_num_heads": kv_heads, "scale": 1.0 / math.sqrt(d)},
+            dtypes=[q.dtype, past_k.dtype, past_v.dtype], shapes=[q.shape, past_k.shape, past_v.shape], version=1)
+    pos = seqlens.long()[:, None] - (t - 1) + torch.arange(t, device=q.device)[None, :]  # [B, T]
+    rows = torch.arange(b, device=q.device)[:, None].expand(b, t)
+    pk, pv = past_k.clone(), past_v.clone()
+    pk[rows, :, pos] = k.view(b, t, kv_heads, d)
+    pv[rows, :, pos] = v.view(b, t, kv_heads, d)
+    g = num_heads // kv_heads
+    qg = q.view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4) * (1.0 / math.sqrt(d))  # [B, KVH, G, T, D]
+    scores = torch.matmul(qg, pk.transpose(-1, -2)[:, :, None]).float()  # [B, KVH, G, T, Pmax]
+    visible = torch.arange(pk.shape[2], device=q.device)[None, None, :] <= pos[:, :, None]  # [B, T, Pmax]
+    scores = scores.masked_fill(~visible[:, None, None], torch.finfo(torch.float32).min)
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(pv.dtype), pv[:, :, None])  # [B, KVH, G, T, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, num_heads * d), pk, pv
+
+
 class FusedMLP(nn.Module):
     def __init__(self, mlp):
         super().__init__()
@@ -166,6 +207,27 @@ class FusedLayers(nn.Module):
             if i + 1 in capture:
                 captured[i + 1] = x
         return h, keys, values, captured
+
+
+    def forward_decode(self, x, past_lens, past):
+        """T new tokens in each of B rows over slot-major caches (FusedAttention.forward_decode): x
+        [B, T, hidden] embedded, past_lens [B], past interleaved [k0, v0, k1, ...] each [B, KVH, Pmax, D]
+        -> (final-normed hidden [B, T, hidden], the caches with the new entries written)."""
+        t = x.shape[1]
+        positions = past_lens[:, None] + torch.arange(t, device=x.device)[None, :]
+        seqlens = (past_lens + (t - 1)).to(torch.int32)
+        total = (seqlens.max() + 1).to(torch.int32)
+        tables = (self.cos_table, self.sin_table)
+        h = rms_norm(x, self.norm_in[0], self.eps)
+        present = []
+        n = len(self.attn)
+        for i in range(n):
+            a, k, v = self.attn[i].forward_decode(h, positions, seqlens, total, past[2 * i], past[2 * i + 1], tables)
+            h, x = add_rms_norm(a, x, self.norm_post[i], self.eps)
+            out_w = self.norm_in[i + 1] if i + 1 < n else self.norm.weight
+            h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
+            present += [k, v]
+        return h, present
 
 
 class FusedDecoder(nn.Module):

@@ -86,7 +86,8 @@ class Runtime:
         m, d = manifest["model"], manifest["draft"]
         # A backend may keep the caches itself (e.g. on the GPU for TensorRT); the default is host numpy.
         make_cache = getattr(backend, "make_kv_cache", None) or KVCache
-        self.target_kv = make_cache(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
+        # ...or the target's in a second layout as well (the ORT backend's decode graph: backends/ort_decode.py).
+        self.target_kv = getattr(backend, "target_kv_cache", make_cache)(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
         self.metrics = Metrics(self.max_draft)
         self.costs = Costs(self.max_tokens_per_step, self.max_draft, t.overhead_window)
         self.costs.table = cost_table
@@ -350,7 +351,8 @@ class Runtime:
             drafting = getattr(self.drafter, "drafting", None)
             caches = [self.target_kv, self.draft_kv, getattr(drafting, "cache", None)]
             self._prefault = prefault_in_background(
-                [b for c in caches if isinstance(c, KVCache) for b in (*c.keys, *c.values)])
+                [b for c in caches if isinstance(c, KVCache)
+                 for b in (*c.keys, *c.values, *getattr(c, "slot_major", ()))])
 
     def wait_prefaulted(self) -> None:
         """Block until prefault_caches() is done: before timing anything (the profiler, the bench)."""

@@ -123,6 +123,7 @@ class OrtBackend:
         self.num_layers = {g: manifest["model" if g == "target" else "draft"]["num_layers"] for g in graphs}
         self.has_greedy_draft = GREEDY_DRAFT_GRAPH in self.sessions
         self._open_greedy_target(Path(artifact_dir), opts)
+        self._open_decode(Path(artifact_dir), manifest, flavour, opts)
         self.calls = Counter()  # runs per graph (which graph ran is a fact tests and metrics can read)
 
     def _open_greedy_target(self, artifact_dir: Path, opts) -> None:
@@ -148,6 +149,52 @@ class OrtBackend:
         self.num_layers[GREEDY_TARGET] = self.num_layers["target"]
         self.greedy_inputs = {i.name for i in sess.get_inputs()}
 
+    def _open_decode(self, artifact_dir: Path, manifest: dict, flavour: str, opts) -> None:
+        """The plain decoding graph over slot-major caches (backends/ort_decode.py), where the artifact has
+        one; its all-greedy twin beside it like the target's. The path itself starts once the runtime asks
+        for the target's cache (target_kv_cache)."""
+        from dspark_trt.runtime.backends import ort_decode, ort_greedy
+
+        self.decode = None
+        self._decode_sessions = {}
+        ort_spec = manifest["graphs"]["target"].get("ort") if flavour == "auto" else None
+        file = ort_spec.get("decode") if isinstance(ort_spec, dict) else None
+        if file is None or "target" not in self.sessions or not ort_decode.wanted():
+            return
+        path = artifact_dir / file
+        self._decode_sessions["target"] = open_session(path, opts)
+        if self.greedy_inputs is not None:
+            import onnxruntime as ort
+
+            twin = ort_greedy.greedy_twin_bytes(path)
+            if twin is not None:
+                self._decode_sessions[GREEDY_TARGET] = ort.InferenceSession(twin, opts, providers=_providers(ort))
+
+    def target_kv_copies(self, max_context: int) -> int:
+        """How many copies of the target's cache target_kv_cache() keeps at this context (the memory plan
+        counts them): two with the decode graph, whose caches' position axis is the exported context."""
+        sess = self._decode_sessions.get("target")
+        if sess is None:
+            return 1
+        return 2 if {i.name: i.shape for i in sess.get_inputs()}["past_key_values.0.key"][2] == max_context else 1
+
+    def drop_target_kv_copy(self) -> None:
+        """No decode graph, so the target's cache is kept once (the memory plan's choice when both do not fit)."""
+        self._decode_sessions = {}
+
+    def target_kv_cache(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int,
+                        dtype=np.float32):
+        """The target's host cache, mirrored slot-major for the decode graph where it runs (target_kv_copies)."""
+        from dspark_trt.runtime.backends.ort_decode import DecodePath, MirroredKVCache
+        from dspark_trt.runtime.kv_cache import KVCache
+
+        if self.target_kv_copies(max_context) == 1:
+            self._decode_sessions = {}
+            return KVCache(num_layers, max_context, slots, kv_heads, head_dim, dtype)
+        cache = MirroredKVCache(num_layers, max_context, slots, kv_heads, head_dim, dtype)
+        self.decode = {g: DecodePath(sess, cache, num_layers) for g, sess in self._decode_sessions.items()}
+        return cache
+
     def _run(self, graph: str, feeds: dict, past: list[np.ndarray]):
         self.calls[graph] += 1
         n = self.num_layers[graph]
@@ -170,6 +217,11 @@ class OrtBackend:
 
     def run_target(self, feeds, past):
         """The verify/prefill step; calls with no sampling row run the all-greedy twin where there is one."""
-        if self.greedy_inputs is not None and not (np.asarray(feeds["temperature"]) > 0).any():
-            return self._run(GREEDY_TARGET, feeds, past)
-        return self._run("target", feeds, past)
+        greedy = self.greedy_inputs is not None and not (np.asarray(feeds["temperature"]) > 0).any()
+        graph = GREEDY_TARGET if greedy else "target"
+        if self.decode is not None:
+            path = self.decode.get(graph) or self.decode["target"]
+            if path.takes(feeds):
+                self.calls[f"{graph}.decode"] += 1
+                return path.run(feeds)
+        return self._run(graph, feeds, past)

@@ -1,0 +1,162 @@
+"""Decoding on ONNX Runtime without gathering the past: the ORT flavour's `decode` graph.
+
+The packed target graph reads a position-major host cache ([P, S, KVH, D], the manifest's contract) and
+gathers every row's past into a batch before attending: at 16-64 one-token rows a quarter of the call
+(lab notes, thirteenth session). The decode graph (exporter/graphs.TargetDecodeStep) is one
+GroupQueryAttention node a layer over slot-major caches ([S, KVH, max_context, D], row b = slot b), bound
+once and shared between past and present, so each layer reads the past where it lies and writes only the
+new entries. It runs the calls whose rows all bring one token and verify no drafts (plain decoding) and
+the calls of one row verifying its drafts (one request speculating; ONNX Runtime's attention takes several
+new tokens a row only in a one-row batch): at 1-64 one-token rows 1.3x-1.5x faster than the packed graph.
+
+So the target's cache is kept twice (MirroredKVCache): the host cache every other call reads and writes,
+and the slot-major copy, brought up to date from it just before a decode call reads a slot (a decode
+call's own entries are written by the graph into the copy and by the runtime into the host cache). The rows of a call are a range of the
+copy's slots in order; a slot in that range that is not in the call runs as a dummy row whose entry lands past
+anything its request has written (its last written position + 1), where the next real write overwrites
+it before anything reads it; a call that would need a dummy at the end of the context runs the packed
+graph instead. DSPARK_ORT_DECODE=0 turns this off (comparisons; the cache is then kept once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from dspark_trt.manifest import DECODE_INPUTS
+from dspark_trt.runtime.kv_cache import KVCache
+
+
+def wanted() -> bool:
+    return os.environ.get("DSPARK_ORT_DECODE", "1") != "0"
+
+
+class DecodeEntries(list):
+    """The new entries of a decode-graph call: already in the slot-major copy (the graph wrote them)."""
+
+
+class MirroredKVCache(KVCache):
+    """The host cache plus its slot-major copy (`slot_major`, interleaved like `present`, each
+    [slots, kv_heads, max_context, head_dim]), brought up to date lazily: a write goes to the host cache and
+    marks the slot's copy stale from its first position on (`synced`: positions below it are equal in
+    both), and sync() copies a slot's stale span just before a decode call reads it. So steps that only
+    verify drafts (fixed K at 16-64 requests) write one cache, as without the copy, and a request that
+    decodes plainly after drafting pays for its drafted entries once. `written_end`: each slot's last
+    written position + 1 (where a dummy row may write)."""
+
+    def __init__(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int,
+                 dtype=np.float32):
+        super().__init__(num_layers, max_context, slots, kv_heads, head_dim, dtype)
+        shape = (slots, kv_heads, max_context, head_dim)
+        self.slot_major = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
+        self._sm_flat = [b.reshape(slots * kv_heads * max_context, head_dim) for b in self.slot_major]
+        self._host_rows = [b.reshape(max_context * slots * kv_heads, head_dim)
+                           for kv in zip(self.keys, self.values) for b in kv]
+        self.kv_heads = kv_heads
+        self.written_end = np.zeros(slots, dtype=np.int64)
+        self.synced = np.zeros(slots, dtype=np.int64)
+
+    def write(self, present, positions, slots) -> None:
+        super().write(present, positions, slots)
+        positions = np.asarray(positions, dtype=np.int64)
+        slots = np.asarray(slots, dtype=np.int64)
+        self.written_end[slots] = positions + 1  # packed rows ascend within a slot: the last one wins
+        if isinstance(present, DecodeEntries):  # in the copy already: in sync past them where it was up to them
+            first = np.full(self.slots, self.max_context, dtype=np.int64)
+            np.minimum.at(first, slots, positions)
+            touched = np.unique(slots)
+            ok = touched[self.synced[touched] >= first[touched]]
+            self.synced[ok] = np.maximum(self.synced[ok], self.written_end[ok])
+        else:
+            np.minimum.at(self.synced, slots, positions)
+
+    def sync(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Bring the copy's rows of these slots up to date over their first `lengths` positions."""
+        start = self.synced[slots]
+        stale = start < lengths
+        if not stale.any():
+            return
+        slots, start, lengths = slots[stale], start[stale], lengths[stale]
+        counts = lengths - start
+        slot_of = np.repeat(slots, counts)
+        pos = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        heads = np.arange(self.kv_heads)
+        host = ((pos * self.slots + slot_of)[:, None] * self.kv_heads + heads).ravel()
+        copy = ((slot_of[:, None] * self.kv_heads + heads) * self.max_context + pos[:, None]).ravel()
+        for dst, src in zip(self._sm_flat, self._host_rows):
+            dst[copy] = src[host]
+        self.synced[slots] = lengths
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * super().nbytes
+
+
+class DecodePath:
+    """Runs target calls the decode graph takes over a MirroredKVCache: one token in every row and no
+    drafts (plain decoding), or one row verifying its drafts (ONNX Runtime's attention takes several new
+    tokens a row only in a one-row batch)."""
+
+    def __init__(self, session, cache: MirroredKVCache, num_layers: int):
+        import onnxruntime as ort
+
+        self._ort = ort
+        self.session = session
+        self.cache = cache
+        self.inputs = [i.name for i in session.get_inputs() if i.name in DECODE_INPUTS]
+        self.past_names = [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
+        self.present_names = [n.replace("past_key_values", "present") for n in self.past_names]
+        self._bound: dict[tuple[int, int], object] = {}  # (first slot, rows) -> a binding of those slots
+
+    def takes(self, feeds: dict) -> bool:
+        slots, lens = feeds["slot_ids"], feeds["verify_lens"]
+        rows, tokens = len(slots), len(feeds["tokens"])
+        if tokens == rows:  # one token a row: plain rows only, dummies (if any) inside the context
+            lo, hi = int(slots.min()), int(slots.max()) + 1
+            return not lens.any() and (hi - lo == rows or int(self.cache.written_end[lo:hi].max()) < self.cache.max_context)
+        return rows == 1 and int(lens[0]) == tokens - 1 and int(feeds["past_lens"][0]) + tokens <= self.cache.max_context
+
+    def _binding(self, lo: int, rows: int):
+        io = self._bound.get((lo, rows))
+        if io is None:
+            io = self.session.io_binding()
+            for past, present, buf in zip(self.past_names, self.present_names, self.cache.slot_major):
+                value = self._ort.OrtValue.ortvalue_from_numpy(buf[lo:lo + rows])  # a view: no copy
+                io.bind_ortvalue_input(past, value)
+                io.bind_ortvalue_output(present, value)
+            io.bind_output("accepted")  # bound last: the run's last two outputs
+            io.bind_output("next_token")
+            self._bound[(lo, rows)] = io
+        return io
+
+    def run(self, feeds: dict) -> tuple[dict, list[np.ndarray]]:
+        """-> (accepted, next_token of the call's rows; their new entries [N, KVH, D] per cache, interleaved)."""
+        slots = np.asarray(feeds["slot_ids"], dtype=np.int64)
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        rows = hi - lo
+        if rows == len(slots) and (slots == np.arange(lo, hi)).all():
+            full = {k: feeds[k] for k in self.inputs}
+            full["tokens"] = feeds["tokens"].reshape(rows, -1)
+        else:  # one token a row: dummy rows for the slots in range that the call leaves out
+            at = slots - lo
+            full = {}
+            for k in self.inputs:
+                v = np.asarray(feeds[k])
+                full[k] = np.zeros((rows, *v.shape[1:]), dtype=v.dtype)
+                full[k][at] = v
+            missing = np.ones(rows, dtype=bool)
+            missing[at] = False
+            full["past_lens"][missing] = self.cache.written_end[lo:hi][missing]
+            full["tokens"] = full["tokens"][:, None]
+        self.cache.sync(slots, np.asarray(feeds["past_lens"], dtype=np.int64))
+        io = self._binding(lo, rows)
+        for k in self.inputs:
+            io.bind_cpu_input(k, np.ascontiguousarray(full[k]))
+        self.session.run_with_iobinding(io)
+        accepted, next_token = (v.numpy() for v in io.get_outputs()[-2:])
+        if rows != len(slots):
+            accepted, next_token = accepted[slots - lo], next_token[slots - lo]
+        token_slots = np.repeat(slots, len(feeds["tokens"]) // len(slots))
+        present = DecodeEntries(buf[token_slots, :, feeds["positions"]] for buf in self.cache.slot_major)
+        return {"accepted": accepted, "next_token": next_token}, present

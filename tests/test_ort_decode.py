@@ -1,0 +1,263 @@
+"""The ORT flavour's plain decoding graph (target.decode.ort.onnx, runtime/backends/ort_decode.py): one token a
+row over slot-major caches it reads in place. It computes what the packed graph computes, keeps the
+target's two caches equal, never disturbs a slot that is not in its call, and is what the ORT backend runs
+for plain decoding rows, with outputs identical to the packed graph's in every mode."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import numpy as np
+import pytest
+
+from dspark_trt.runtime.batch import pack_queries, verify_rows
+
+
+@pytest.mark.parametrize("arch,extra", [("llama", {}), ("qwen3", {"qk_norm": True, "attention_bias": True})])
+@pytest.mark.parametrize("query_lens,past_lens", [([1, 1, 1], [4, 7, 0]), ([3], [5])])
+def test_decode_layers_compute_the_packed_layers_in_torch(arch, extra, query_lens, past_lens):
+    """Eager torch (GroupQueryAttention's torch twin): rows of equal new tokens over a slot-major cache (one
+    token in three rows; three tokens in one row, causal among them) give the packed decoder's hidden
+    states and new entries, written at their positions and nowhere else."""
+    import torch
+
+    from dspark_trt.models.config import ModelConfig
+    from dspark_trt.models.decoder import Decoder, PackedBatch, make_packed_index
+    from dspark_trt.models.ort_fused import FusedDecoder
+
+    cfg = ModelConfig(arch, 97, 64, 96, 2, 4, 2, 24, max_position_embeddings=64, **extra)
+    dec = Decoder(cfg).init_weights(std=0.08, seed=0).eval()
+    fused = FusedDecoder(dec, 64).eval()
+    g = torch.Generator().manual_seed(1)
+    b, t, p = len(query_lens), query_lens[0], 8
+    past = [[torch.randn(p, b, 2, 24, generator=g) for _ in range(2)] for _ in range(2)]
+    tokens = torch.randint(0, 97, (b * t,), generator=g)
+    positions = torch.tensor([q0 + j for q0 in past_lens for j in range(t)])
+    pack, unpack = make_packed_index(query_lens)
+    batch = PackedBatch(tokens, positions, pack, unpack, torch.tensor(query_lens), torch.tensor(past_lens),
+                        torch.arange(b), past[0], past[1])
+    slot_major = [buf.permute(1, 2, 0, 3).contiguous() for layer in zip(*past) for buf in layer]  # k0, v0, ...
+    slot_major = [torch.cat([s, torch.randn(b, 2, 64 - p, 24, generator=g)], dim=2) for s in slot_major]
+    with torch.no_grad():
+        h, ks, vs = fused.forward_packed(batch)
+        x = fused.embed_tokens(tokens).view(b, t, -1)
+        dh, present = fused.layers.forward_decode(x, torch.tensor(past_lens), slot_major)
+    assert (h - dh.flatten(0, 1)).abs().max() <= 1e-5
+    rows = torch.arange(b).repeat_interleave(t)
+    for before, after, entry in zip(slot_major, present, [e for kv in zip(ks, vs) for e in kv]):
+        assert (after[rows, :, positions] - entry).abs().max() <= 1e-5
+        after = after.clone()
+        after[rows, :, positions] = before[rows, :, positions]
+        assert torch.equal(after, before)  # nothing else written
+
+
+@functools.lru_cache(maxsize=4)
+def _session(path: str):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+
+def _packed_call(art, m, cache, queries, past_lens, slots, temps, drafts=None, seed=0):
+    """One target call on the packed ORT graph over the cache's host layout, every row scoring its last
+    len(drafts[r]) + 1 tokens: (outputs, new entries, feeds)."""
+    rng = np.random.default_rng(seed)
+    sess = _session(str(art / m["graphs"]["target"]["ort"]["file"]))
+    feeds = pack_queries(queries, list(past_lens), list(slots))
+    vl = np.array([len(d) for d in drafts] if drafts else [0] * len(queries), np.int64)
+    feeds["verify_index"] = verify_rows(feeds["query_lens"], vl)
+    n, vocab = len(feeds["verify_index"]), m["model"]["vocab_size"]
+    draft_tokens = np.zeros(n, np.int64)
+    row = 0
+    for r, L in enumerate(vl):
+        draft_tokens[row:row + L] = drafts[r] if L else []
+        row += L + 1
+    probs = rng.random((n, vocab)).astype(np.float32)
+    feeds.update(verify_lens=vl, draft_tokens=draft_tokens, draft_probs=probs / probs.sum(1, keepdims=True),
+                 temperature=np.asarray(temps, np.float32), accept_uniforms=rng.random(n, dtype=np.float32),
+                 sample_uniforms=rng.random(len(queries), dtype=np.float32))
+    layers = m["model"]["num_layers"]
+    names = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    outs = sess.run(None, {**feeds, **dict(zip(names, cache.past(int(max(past_lens)))))})
+    named = dict(zip([o.name for o in sess.get_outputs()], outs))
+    return named, [named[n.replace("past_key_values", "present")] for n in names], feeds
+
+
+def _fill(cache, m, lens, rng):
+    """Random prompts written as the runtime writes them: through cache.write."""
+    for slot, n in lens.items():
+        entries = [rng.standard_normal((n, m["model"]["num_kv_heads"], m["model"]["head_dim"])).astype(np.float32)
+                   for _ in cache.slot_major]
+        cache.write(entries, np.arange(n), np.full(n, slot))
+
+
+def _decode_path(art, m, slots):
+    import onnxruntime as ort
+
+    from dspark_trt.runtime.backends.ort_decode import DecodePath, MirroredKVCache
+
+    f = m["model"]
+    cache = MirroredKVCache(f["num_layers"], m["limits"]["max_context"], slots, f["num_kv_heads"], f["head_dim"])
+    sess = ort.InferenceSession(str(art / m["graphs"]["target"]["ort"]["decode"]), providers=["CPUExecutionProvider"])
+    return DecodePath(sess, cache, f["num_layers"]), cache
+
+
+def test_decode_graph_matches_the_packed_graph_and_leaves_other_slots_alone(tiny_artifact):
+    """Rows out of slot order with a live slot between them (run as a dummy row): tokens equal to the packed
+    graph's (greedy and sampled rows, the same draws), new entries within 1e-4 in both caches, and the
+    slot left out still holds exactly what it held up to its length."""
+    m = json.loads((tiny_artifact / "manifest.json").read_text())
+    slots = m["limits"]["max_batch"]
+    path, cache = _decode_path(tiny_artifact, m, slots)
+    rng = np.random.default_rng(0)
+    vocab = m["model"]["vocab_size"]
+    lens = {0: 9, 1: 5, 2: 12, 3: 3}
+    _fill(cache, m, lens, rng)
+    host_before = [buf[:, 1].copy() for buf in cache.keys + cache.values]
+    call_slots = np.array([3, 0, 2])
+    positions = np.array([lens[s] for s in call_slots])
+    packed, new, feeds = _packed_call(tiny_artifact, m, cache, [[t] for t in rng.integers(0, vocab, 3)], positions,
+                                      call_slots, [0.0, 0.9, 1.0])
+    assert path.takes(feeds)
+    outs, present = path.run(feeds)
+    assert (outs["next_token"] == packed["next_token"]).all() and (outs["accepted"] == 0).all()
+    assert max(float(np.abs(a - b).max()) for a, b in zip(present, new)) <= 1e-4
+    cache.write(present, positions, call_slots)
+    for buf, entry in zip([b for kv in zip(cache.keys, cache.values) for b in kv], present):
+        assert np.array_equal(buf[positions, call_slots], entry)
+    assert all(np.array_equal(buf[:, 1], before) for buf, before in zip(cache.keys + cache.values, host_before))
+    assert list(cache.written_end[:4]) == [10, 5, 13, 4]
+
+
+def test_the_copy_follows_the_host_cache_through_drafts_rollbacks_and_dummy_rows(tiny_artifact):
+    """Random steps on four slots: packed calls writing prompts and drafts (some rejected, so later writes go
+    back over them) and decode calls over random subsets (live slots left out run as dummy rows). Every
+    decode call gives the packed graph's tokens and entries; afterwards each slot's copy equals the host
+    cache over everything a decode call has read, and a slot no decode call read was never copied."""
+    m = json.loads((tiny_artifact / "manifest.json").read_text())
+    path, cache = _decode_path(tiny_artifact, m, m["limits"]["max_batch"])
+    rng = np.random.default_rng(7)
+    vocab = m["model"]["vocab_size"]
+    length = {s: 0 for s in range(5)}
+    for step in range(16):
+        if step < 5 or rng.random() < 0.4:  # a prompt or a verify call on the host path
+            slot = step if step < 5 else int(rng.integers(0, 5))
+            n = int(rng.integers(2, 6))
+            _, new, feeds = _packed_call(tiny_artifact, m, cache, [list(rng.integers(0, vocab, n))], [length[slot]],
+                                         [slot], [0.0], seed=step)
+            cache.write(new, feeds["positions"], np.full(n, slot))
+            length[slot] += int(rng.integers(1, n + 1))  # drafts past it rejected: written over later
+            continue
+        call = np.sort(rng.choice(4, size=int(rng.integers(1, 4)), replace=False))  # slot 4 never decodes
+        past = np.array([length[s] for s in call])
+        packed, new, feeds = _packed_call(tiny_artifact, m, cache, [[int(t)] for t in rng.integers(0, vocab, len(call))],
+                                          past, call, [0.0] * len(call), seed=step)
+        assert path.takes(feeds)
+        outs, present = path.run(feeds)
+        assert (outs["next_token"] == packed["next_token"]).all()
+        assert max(float(np.abs(a - b).max()) for a, b in zip(present, new)) <= 1e-4
+        cache.write(present, past, call)
+        for s_ in call:
+            length[s_] += 1
+    host = [b for kv in zip(cache.keys, cache.values) for b in kv]
+    for s_ in range(5):
+        n = int(cache.synced[s_])
+        assert n <= length[s_]
+        for h, c in zip(host, cache.slot_major):
+            assert np.allclose(c[s_, :, :n], h[:n, s_].transpose(1, 0, 2), atol=1e-4)
+    assert cache.synced[4] == 0 and not any(c[4].any() for c in cache.slot_major)
+
+
+def test_one_request_verifying_its_drafts_matches_the_packed_graph(tiny_artifact):
+    """One row, a bonus token and three drafts, in a slot other than the first: accepted counts and next
+    tokens equal to the packed graph's for greedy and sampled rows over several draws, new entries within
+    1e-4."""
+    m = json.loads((tiny_artifact / "manifest.json").read_text())
+    path, cache = _decode_path(tiny_artifact, m, m["limits"]["max_batch"])
+    rng = np.random.default_rng(1)
+    vocab = m["model"]["vocab_size"]
+    _fill(cache, m, {0: 6, 2: 11}, rng)
+    seen = set()
+    for seed, temp in enumerate([0.0, 1.0, 1.0, 0.7, 1.0, 1.0]):
+        query = list(rng.integers(0, vocab, 4))
+        packed, new, feeds = _packed_call(tiny_artifact, m, cache, [query], [11], [2], [temp], drafts=[query[1:]],
+                                          seed=seed)
+        assert path.takes(feeds)
+        outs, present = path.run(feeds)
+        assert outs["accepted"] == packed["accepted"] and outs["next_token"] == packed["next_token"]
+        assert max(float(np.abs(a - b).max()) for a, b in zip(present, new)) <= 1e-4
+        seen.add(int(outs["accepted"][0]))
+    assert len(seen) > 1  # the draws took different numbers of drafts
+
+
+def test_decode_path_takes_plain_rows_and_one_request_verifying(tiny_artifact):
+    m = json.loads((tiny_artifact / "manifest.json").read_text())
+    path, cache = _decode_path(tiny_artifact, m, 4)
+
+    def call(queries, past_lens, slots, verify_lens):
+        return {**pack_queries(queries, past_lens, slots), "verify_lens": np.array(verify_lens)}
+
+    assert path.takes(call([[1], [2]], [3, 4], [0, 1], [0, 0]))
+    assert path.takes(call([[1, 2, 3]], [5], [3], [2]))  # one request verifying two drafts
+    assert not path.takes(call([[1, 2], [2]], [3, 4], [0, 1], [1, 0]))  # ragged
+    assert not path.takes(call([[1, 2], [2, 3]], [3, 4], [0, 1], [1, 1]))  # several rows of several tokens
+    assert not path.takes(call([[1, 2, 3]], [0], [0], [0]))  # a prompt: its tokens are not all scored
+    # a slot left out whose next entry would fall past the context: the packed graph instead
+    cache.written_end[1] = cache.max_context
+    assert not path.takes(call([[1], [2]], [3, 4], [0, 2], [0, 0]))
+    assert not path.takes(call([[1, 2, 3]], [cache.max_context - 2], [0], [2]))  # past the context
+
+
+def _generate(art, monkeypatch, decode: str, temperature=0.0, spec_modes=("off", "fixed:2", "adaptive")):
+    from dspark_trt.runtime import GenerationConfig, Runtime
+
+    monkeypatch.setenv("DSPARK_ORT_DECODE", decode)
+    prompts = ["def fib(n):", "import os\n", "class Foo:", "x = [", "for i in"]
+    with Runtime.load(art, profile="none") as rt:
+        out = {spec: [o.token_ids for o in rt.generate(
+            prompts, GenerationConfig(max_new_tokens=20, spec=spec, temperature=temperature, seed=3))]
+            for spec in spec_modes}
+        calls = dict(rt.backend.calls)
+        copies = 2 if rt.backend.decode else 1
+    return out, calls, copies
+
+
+def test_runtime_decodes_on_the_decode_graph_with_identical_outputs(tiny_artifact, monkeypatch):
+    on, calls, copies = _generate(tiny_artifact, monkeypatch, "1")
+    assert calls.get("target_greedy.decode", 0) > 0 and copies == 2
+    off, calls_off, copies_off = _generate(tiny_artifact, monkeypatch, "0")
+    assert not any(k.endswith(".decode") for k in calls_off) and copies_off == 1
+    assert on == off
+    assert on["adaptive"] == on["off"] == on["fixed:2"]
+
+
+def test_sampled_tokens_are_the_packed_graphs_draw_for_draw(tiny_artifact, monkeypatch):
+    on, calls, _ = _generate(tiny_artifact, monkeypatch, "1", temperature=0.9, spec_modes=("off", "adaptive"))
+    assert calls.get("target.decode", 0) > 0
+    off, _, _ = _generate(tiny_artifact, monkeypatch, "0", temperature=0.9, spec_modes=("off", "adaptive"))
+    assert on == off
+
+
+def test_a_shorter_context_or_tight_memory_keeps_one_cache(tiny_artifact, monkeypatch):
+    from dspark_trt.runtime import GenerationConfig, Runtime
+    from dspark_trt.runtime.memory_plan import HEADROOM, kv_bytes
+
+    m = json.loads((tiny_artifact / "manifest.json").read_text())
+    with Runtime.load(tiny_artifact, profile="none", max_context=m["limits"]["max_context"] // 2) as rt:
+        assert rt.backend.decode is None  # the graph's context is fixed
+        assert rt.memory_plan.kv_cache == kv_bytes(m, rt.max_context, 4)
+        assert rt.generate(["def f():"], GenerationConfig(max_new_tokens=4))[0].token_ids
+    one, two = kv_bytes(m, 64, 4), kv_bytes(m, 64, 4, target_copies=2)
+    f = m["model"]
+    assert two - one == 2 * f["num_layers"] * 64 * m["limits"]["max_batch"] * f["num_kv_heads"] * f["head_dim"] * 4
+    ctx = m["limits"]["max_context"]
+    with Runtime.load(tiny_artifact, profile="none") as rt:
+        need_two = rt.memory_plan.total
+        assert rt.backend.decode and rt.memory_plan.kv_cache == kv_bytes(m, ctx, 4, target_copies=2)
+    need_one = need_two - (kv_bytes(m, ctx, 4, target_copies=2) - kv_bytes(m, ctx, 4))
+    # room for everything with the cache kept once, not twice: the copy goes, the batch stays
+    monkeypatch.setenv("DSPARK_MEMORY_LIMIT_GB", str((need_one + need_two) / 2 / HEADROOM / 2**30))
+    with Runtime.load(tiny_artifact, profile="none") as rt:
+        assert rt.backend.decode is None and rt.max_batch == m["limits"]["max_batch"]
+        assert rt.generate(["def f():"], GenerationConfig(max_new_tokens=4))[0].token_ids
