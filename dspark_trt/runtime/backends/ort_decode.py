@@ -39,11 +39,12 @@ class DecodeEntries(list):
 class MirroredKVCache(KVCache):
     """The host cache plus its slot-major copy (`slot_major`, interleaved like `present`, each
     [slots, kv_heads, max_context, head_dim]), brought up to date lazily: a write goes to the host cache and
-    marks the slot's copy stale from its first position on (`synced`: positions below it are equal in
-    both), and sync() copies a slot's stale span just before a decode call reads it. So steps that only
-    verify drafts (fixed K at 16-64 requests) write one cache, as without the copy, and a request that
-    decodes plainly after drafting pays for its drafted entries once. `written_end`: each slot's last
-    written position + 1 (where a dummy row may write)."""
+    widens the slot's stale span [stale_lo, stale_hi) over the positions it wrote, and sync() copies a
+    slot's stale span below its length just before a decode call reads it. So steps that only verify
+    drafts (fixed K at 16-64 requests) write one cache, as without the copy, and a request that decodes
+    plainly after drafting pays for its drafted entries once. Positions at or past a request's length are
+    never read before they are written again, so a sync leaves nothing stale. `written_end`: each slot's
+    last written position + 1 (where a dummy row may write)."""
 
     def __init__(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int,
                  dtype=np.float32):
@@ -55,30 +56,26 @@ class MirroredKVCache(KVCache):
                            for kv in zip(self.keys, self.values) for b in kv]
         self.kv_heads = kv_heads
         self.written_end = np.zeros(slots, dtype=np.int64)
-        self.synced = np.zeros(slots, dtype=np.int64)
+        self.stale_lo = np.full(slots, max_context, dtype=np.int64)  # empty while stale_lo >= stale_hi
+        self.stale_hi = np.zeros(slots, dtype=np.int64)
 
     def write(self, present, positions, slots) -> None:
         super().write(present, positions, slots)
         positions = np.asarray(positions, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         self.written_end[slots] = positions + 1  # packed rows ascend within a slot: the last one wins
-        if isinstance(present, DecodeEntries):  # in the copy already: in sync past them where it was up to them
-            first = np.full(self.slots, self.max_context, dtype=np.int64)
-            np.minimum.at(first, slots, positions)
-            touched = np.unique(slots)
-            ok = touched[self.synced[touched] >= first[touched]]
-            self.synced[ok] = np.maximum(self.synced[ok], self.written_end[ok])
-        else:
-            np.minimum.at(self.synced, slots, positions)
+        if not isinstance(present, DecodeEntries):  # a decode call's entries are in the copy already
+            np.minimum.at(self.stale_lo, slots, positions)
+            np.maximum.at(self.stale_hi, slots, positions + 1)
 
     def sync(self, slots: np.ndarray, lengths: np.ndarray) -> None:
         """Bring the copy's rows of these slots up to date over their first `lengths` positions."""
-        start = self.synced[slots]
-        stale = start < lengths
+        start, end = self.stale_lo[slots], np.minimum(self.stale_hi[slots], lengths)
+        self.stale_lo[slots], self.stale_hi[slots] = self.max_context, 0
+        stale = start < end
         if not stale.any():
             return
-        slots, start, lengths = slots[stale], start[stale], lengths[stale]
-        counts = lengths - start
+        slots, start, counts = slots[stale], start[stale], (end - start)[stale]
         slot_of = np.repeat(slots, counts)
         pos = np.repeat(start - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
         heads = np.arange(self.kv_heads)
@@ -86,7 +83,6 @@ class MirroredKVCache(KVCache):
         copy = ((slot_of[:, None] * self.kv_heads + heads) * self.max_context + pos[:, None]).ravel()
         for dst, src in zip(self._sm_flat, self._host_rows):
             dst[copy] = src[host]
-        self.synced[slots] = lengths
 
     @property
     def nbytes(self) -> int:
