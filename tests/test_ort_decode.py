@@ -238,19 +238,27 @@ def test_sampled_tokens_are_the_packed_graphs_draw_for_draw(tiny_artifact, monke
     assert on == off
 
 
-def test_a_shorter_context_or_tight_memory_keeps_one_cache(tiny_artifact, monkeypatch):
+def test_a_shorter_context_shrinks_the_copy_and_tight_memory_drops_it(tiny_artifact, monkeypatch):
     from dspark_trt.runtime import GenerationConfig, Runtime
     from dspark_trt.runtime.memory_plan import HEADROOM, kv_bytes
 
     m = json.loads((tiny_artifact / "manifest.json").read_text())
-    with Runtime.load(tiny_artifact, profile="none", max_context=m["limits"]["max_context"] // 2) as rt:
-        assert rt.backend.decode is None  # the graph's context is fixed
-        assert rt.memory_plan.kv_cache == kv_bytes(m, rt.max_context, 4)
-        assert rt.generate(["def f():"], GenerationConfig(max_new_tokens=4))[0].token_ids
+    ctx = m["limits"]["max_context"]
+    prompts, cfg = ["def f():", "import os\n"], GenerationConfig(max_new_tokens=12, spec="off")
+    outs = {}
+    for decode in ("1", "0"):  # --max-context below the exported one: the copy is that long
+        monkeypatch.setenv("DSPARK_ORT_DECODE", decode)
+        with Runtime.load(tiny_artifact, profile="none", max_context=ctx // 2) as rt:
+            outs[decode] = [r.token_ids for r in rt.generate(prompts, cfg)]
+            if decode == "1":
+                assert rt.backend.calls["target_greedy.decode"] > 0
+                assert rt.target_kv.slot_major[0].shape[2] == ctx // 2
+                assert rt.memory_plan.kv_cache == kv_bytes(m, ctx // 2, 4, target_copies=2)
+    assert outs["1"] == outs["0"]
+    monkeypatch.setenv("DSPARK_ORT_DECODE", "1")
     one, two = kv_bytes(m, 64, 4), kv_bytes(m, 64, 4, target_copies=2)
     f = m["model"]
     assert two - one == 2 * f["num_layers"] * 64 * m["limits"]["max_batch"] * f["num_kv_heads"] * f["head_dim"] * 4
-    ctx = m["limits"]["max_context"]
     with Runtime.load(tiny_artifact, profile="none") as rt:
         need_two = rt.memory_plan.total
         assert rt.backend.decode and rt.memory_plan.kv_cache == kv_bytes(m, ctx, 4, target_copies=2)

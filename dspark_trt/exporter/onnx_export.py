@@ -101,8 +101,8 @@ def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: in
 
 def export_target_decode(step: TargetDecodeStep, path: Path, max_context: int, dtype, vocab: int,
                          external_data: str = "auto") -> list[str]:
-    """The ORT flavour's decoding graph (exporter/graphs.TargetDecodeStep): rows and tokens a row dynamic,
-    the caches' position axis max_context long."""
+    """The ORT flavour's decoding graph (exporter/graphs.TargetDecodeStep): rows, tokens a row and the
+    caches' position axis (the runtime's context, up to max_context: the rotary tables' length) dynamic."""
     cfg = step.decoder.config
     rows, t = 3, 2
     m = rows * t
@@ -113,8 +113,9 @@ def export_target_decode(step: TargetDecodeStep, path: Path, max_context: int, d
         for _ in range(2 * step.num_layers))
     d = torch.export.Dim
     r, q, mm = d("num_requests", min=1), d("query_len", min=1), d("verify_rows", min=1)
+    ctx = d("max_context", min=2, max=max_context)  # the runtime's --max-context, at most the exported one
     shapes = ({0: r, 1: q}, {0: r}, {0: r}, {0: mm}, {0: mm}, {0: r}, {0: mm}, {0: r}) + \
-        (tuple({0: r} for _ in range(2 * step.num_layers)),)
+        (tuple({0: r, 2: ctx} for _ in range(2 * step.num_layers)),)
     return _export(step, args, DECODE_INPUTS, TARGET_OUTPUTS, step.num_layers, path, external_data, shapes)
 
 

@@ -172,11 +172,12 @@ class OrtBackend:
 
     def target_kv_copies(self, max_context: int) -> int:
         """How many copies of the target's cache target_kv_cache() keeps at this context (the memory plan
-        counts them): two with the decode graph, whose caches' position axis is the exported context."""
+        counts them): two with the decode graph (its caches' position axis is the runtime's context)."""
         sess = self._decode_sessions.get("target")
         if sess is None:
             return 1
-        return 2 if {i.name: i.shape for i in sess.get_inputs()}["past_key_values.0.key"][2] == max_context else 1
+        axis = {i.name: i.shape for i in sess.get_inputs()}["past_key_values.0.key"][2]
+        return 2 if not isinstance(axis, int) or axis == max_context else 1
 
     def drop_target_kv_copy(self) -> None:
         """No decode graph, so the target's cache is kept once (the memory plan's choice when both do not fit)."""
