@@ -42,7 +42,7 @@ def test_decode_layers_compute_the_packed_layers_in_torch(arch, extra, query_len
     with torch.no_grad():
         h, ks, vs = fused.forward_packed(batch)
         x = fused.embed_tokens(tokens).view(b, t, -1)
-        dh, present = fused.layers.forward_decode(x, torch.tensor(past_lens), slot_major)
+        dh, present, _ = fused.layers.forward_decode(x, torch.tensor(past_lens), slot_major)
     assert (h - dh.flatten(0, 1)).abs().max() <= 1e-5
     rows = torch.arange(b).repeat_interleave(t)
     for before, after, entry in zip(slot_major, present, [e for kv in zip(ks, vs) for e in kv]):
@@ -290,3 +290,36 @@ def test_a_sync_copies_only_what_was_written_since_the_last(tiny_artifact):
     for c, b, e in zip(cache.slot_major, before, entries):
         changed = np.flatnonzero((c[0] != b).any(axis=(0, 2)))
         assert set(changed) <= set(range(32, 40)) and np.array_equal(c[0, :, 32:40], e.transpose(1, 0, 2))
+
+
+def test_a_dspark_artifact_decodes_on_the_decode_graph_with_its_capture_points(tmp_path_factory, monkeypatch):
+    """A DSpark target's decode graph also hands out `aux_hidden` (the drafter's context), for the call's
+    rows in order: plain and drafting runs give the packed graph's tokens, and the drafter sees the same
+    context either way."""
+    from dspark_trt.runtime import GenerationConfig, Runtime
+    from tests.dspark_fixtures import ARTIFACT_VARIANTS, cached_artifact
+
+    art = cached_artifact(tmp_path_factory, "full", **ARTIFACT_VARIANTS["full"])
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["graphs"]["target"]["ort"]["decode"] == "target_aux.decode.ort.onnx"
+    prompts = [[3, 17, 42, 8, 99], [64, 2, 7, 7, 30, 1, 9], [11, 12]]
+    outs, calls = {}, {}
+    for decode in ("1", "0"):
+        monkeypatch.setenv("DSPARK_ORT_DECODE", decode)
+        with Runtime.load(art, profile="none") as rt:
+            outs[decode] = {spec: [r.token_ids for r in rt.generate(prompts, GenerationConfig(max_new_tokens=16, spec=spec))]
+                            for spec in ("off", "fixed:2", "adaptive")}
+            calls[decode] = dict(rt.backend.calls)
+    assert any(k.endswith(".decode") for k in calls["1"]) and not any(k.endswith(".decode") for k in calls["0"])
+    assert outs["1"] == outs["0"]
+    # the capture points of one decode call against the packed graph's (rows out of slot order, a gap)
+    path, cache = _decode_path(art, m, m["limits"]["max_batch"])
+    rng = np.random.default_rng(3)
+    lens = {0: 7, 1: 4, 2: 9}
+    _fill(cache, m, lens, rng)
+    call = np.array([2, 0])
+    packed, new, feeds = _packed_call(art, m, cache, [[5], [9]], [lens[s] for s in call], call, [0.0, 0.0])
+    got, present = path.run(feeds)
+    assert (got["next_token"] == packed["next_token"]).all()
+    assert got["aux_hidden"].shape == packed["aux_hidden"].shape
+    assert np.abs(got["aux_hidden"] - packed["aux_hidden"]).max() <= 1e-4

@@ -31,10 +31,10 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     artifacts (exporter/external_data.py: a graph's weights over 1 GiB go to `<file>.data` under auto)."""
     from tqdm import tqdm
 
-    from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
+    from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DECODE_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
                                                    export_target_with_aux)
     from dspark_trt.exporter.export import _io, plan_dims
-    from dspark_trt.exporter.ort_flavour import check_flavour, ort_file, record_ort_graph
+    from dspark_trt.exporter.ort_flavour import check_flavour, export_ort_decode, ort_file, record_ort_graph
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
     from dspark_trt.exporter.external_data import use_external
     from dspark_trt.manifest import Manifest
@@ -74,6 +74,8 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
         if fused:
             written += export_target_with_aux(target, cfg.aux_layers, tmp / target_ort, num_slots=max_batch,
                                               ort_fused_positions=max_context, external_data=external_data)
+            written += export_ort_decode(target, tmp, target.lm_head.weight.dtype, target.config.vocab_size,
+                                         max_context, external_data, cfg.aux_layers, DECODE_FILE)
         del target
         bar.update()
         bar.set_postfix_str("DSpark drafter graphs")
@@ -106,6 +108,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                     CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}})
         if fused:
             record_ort_graph(manifest["graphs"], "target", _io(tmp / target_ort), file=target_ort)
+            manifest["graphs"]["target"]["ort"]["decode"] = DECODE_FILE
             for graph, key in (("draft", "draft_ort"), (DSPARK_SAMPLE_GRAPH, "sample_ort")):
                 path = drafter_files[key]
                 record_ort_graph(manifest["graphs"], graph, _io(path), file=path.name)

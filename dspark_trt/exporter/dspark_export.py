@@ -183,6 +183,7 @@ def flavour_file(file: str, block) -> str:
 
 # ------------------------------------------------------------------ the target graph with aux outputs
 TARGET_FILE = "target_aux.onnx"
+DECODE_FILE = "target_aux.decode.ort.onnx"  # its ORT decoding graph (exporter/ort_flavour.export_ort_decode)
 
 
 class DsparkTargetStep(nn.Module):

@@ -146,7 +146,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
         if with_ort:
             written += export_ort_graph("target", target_step, tmp, max_batch, tdt, tcfg.vocab_size, max_context,
                                         external_data)
-            written += export_ort_decode(target_step, tmp, tdt, tcfg.vocab_size, max_context, external_data)
+            written += export_ort_decode(target_step.decoder, tmp, tdt, tcfg.vocab_size, max_context, external_data)
         del target_step
         bar.update()
         bar.set_postfix_str("manifest")

@@ -174,16 +174,21 @@ class TargetDecodeStep(nn.Module):
     in place, where the packed graph gathers every row's past first. The same acceptance ops as
     TargetStep over the same rows, so its tokens are the packed graph's, draw for draw."""
 
-    def __init__(self, fused_decoder):
+    def __init__(self, fused_decoder, aux_layers=()):
+        """aux_layers: a DSpark target's capture points, output as `aux_hidden` [B * T, len * hidden] after
+        the caches (as the packed DSpark target graph does: exporter/dspark_export.DsparkTargetStep)."""
         super().__init__()
         self.decoder = fused_decoder
+        self.aux_layers = tuple(aux_layers)
         self.num_layers = fused_decoder.config.num_hidden_layers
 
     def forward(self, tokens, past_lens, verify_lens, draft_tokens, draft_probs, temperature, accept_uniforms,
                 sample_uniforms, *past):
         d = self.decoder
-        hidden, present = d.layers.forward_decode(d.embed_tokens(tokens), past_lens, list(past))
+        hidden, present, captured = d.layers.forward_decode(d.embed_tokens(tokens), past_lens, list(past),
+                                                            capture=self.aux_layers)
         logits = d.lm_head(hidden.flatten(0, 1)).float()  # [B * T, V]
         accepted, next_token = accept(logits, draft_tokens, verify_lens, draft_probs, temperature,
                                       accept_uniforms, sample_uniforms)
-        return (accepted, next_token, *present)
+        aux = (torch.cat([captured[k] for k in self.aux_layers], dim=-1).flatten(0, 1),) if self.aux_layers else ()
+        return (accepted, next_token, *present, *aux)

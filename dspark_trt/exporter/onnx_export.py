@@ -116,7 +116,8 @@ def export_target_decode(step: TargetDecodeStep, path: Path, max_context: int, d
     ctx = d("max_context", min=2, max=max_context)  # the runtime's --max-context, at most the exported one
     shapes = ({0: r, 1: q}, {0: r}, {0: r}, {0: mm}, {0: mm}, {0: r}, {0: mm}, {0: r}) + \
         (tuple({0: r, 2: ctx} for _ in range(2 * step.num_layers)),)
-    return _export(step, args, DECODE_INPUTS, TARGET_OUTPUTS, step.num_layers, path, external_data, shapes)
+    outputs = TARGET_OUTPUTS + (["aux_hidden"] if step.aux_layers else [])
+    return _export(step, args, DECODE_INPUTS, outputs, step.num_layers, path, external_data, shapes)
 
 
 def _export(module, args, input_names, output_names, num_layers, path: Path, external_data: str,

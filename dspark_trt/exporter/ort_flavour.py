@@ -45,14 +45,16 @@ def export_ort_graph(graph: str, step, out_dir: Path, num_slots: int, dtype, voc
 DECODE_FILE = "target.decode.ort.onnx"
 
 
-def export_ort_decode(step, out_dir: Path, dtype, vocab: int, max_positions: int, external_data: str) -> list[str]:
-    """The target's decoding graph (new tokens, all scored, over slot-major caches max_positions long)."""
+def export_ort_decode(decoder, out_dir: Path, dtype, vocab: int, max_positions: int, external_data: str,
+                      aux_layers=(), file: str = DECODE_FILE) -> list[str]:
+    """The target's decoding graph (new tokens, all scored, over slot-major caches max_positions long);
+    aux_layers: a DSpark target's capture points (its `aux_hidden` output)."""
     from dspark_trt.exporter.graphs import TargetDecodeStep
     from dspark_trt.exporter.onnx_export import export_target_decode
     from dspark_trt.models.ort_fused import FusedDecoder
 
-    decode = TargetDecodeStep(FusedDecoder(step.decoder, max_positions)).eval()
-    return export_target_decode(decode, Path(out_dir) / DECODE_FILE, max_positions, dtype, vocab, external_data)
+    decode = TargetDecodeStep(FusedDecoder(decoder, max_positions), aux_layers).eval()
+    return export_target_decode(decode, Path(out_dir) / file, max_positions, dtype, vocab, external_data)
 
 
 def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused", file: str | None = None) -> None:

@@ -209,10 +209,12 @@ class FusedLayers(nn.Module):
         return h, keys, values, captured
 
 
-    def forward_decode(self, x, past_lens, past):
+    def forward_decode(self, x, past_lens, past, capture=()):
         """T new tokens in each of B rows over slot-major caches (FusedAttention.forward_decode): x
         [B, T, hidden] embedded, past_lens [B], past interleaved [k0, v0, k1, ...] each [B, KVH, Pmax, D]
-        -> (final-normed hidden [B, T, hidden], the caches with the new entries written)."""
+        -> (final-normed hidden [B, T, hidden], the caches with the new entries written, {k: the residual
+        stream after k layers} for k in capture)."""
+        captured = {0: x} if 0 in capture else {}
         t = x.shape[1]
         positions = past_lens[:, None] + torch.arange(t, device=x.device)[None, :]
         seqlens = (past_lens + (t - 1)).to(torch.int32)
@@ -227,7 +229,9 @@ class FusedLayers(nn.Module):
             out_w = self.norm_in[i + 1] if i + 1 < n else self.norm.weight
             h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
             present += [k, v]
-        return h, present
+            if i + 1 in capture:
+                captured[i + 1] = x
+        return h, present, captured
 
 
 class FusedDecoder(nn.Module):

@@ -101,6 +101,8 @@ class DecodePath:
         self.session = session
         self.cache = cache
         self.inputs = [i.name for i in session.get_inputs() if i.name in DECODE_INPUTS]
+        # bound after the caches, in this order; aux_hidden: a DSpark target's capture points, per token
+        self.outputs = [o.name for o in session.get_outputs() if o.name in ("accepted", "next_token", "aux_hidden")]
         self.past_names = [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
         self.present_names = [n.replace("past_key_values", "present") for n in self.past_names]
         self._bound: dict[tuple[int, int], object] = {}  # (first slot, rows) -> a binding of those slots
@@ -121,8 +123,8 @@ class DecodePath:
                 value = self._ort.OrtValue.ortvalue_from_numpy(buf[lo:lo + rows])  # a view: no copy
                 io.bind_ortvalue_input(past, value)
                 io.bind_ortvalue_output(present, value)
-            io.bind_output("accepted")  # bound last: the run's last two outputs
-            io.bind_output("next_token")
+            for name in self.outputs:
+                io.bind_output(name)
             self._bound[(lo, rows)] = io
         return io
 
@@ -149,10 +151,12 @@ class DecodePath:
         io = self._binding(lo, rows)
         for k in self.inputs:
             io.bind_cpu_input(k, np.ascontiguousarray(full[k]))
+        for name in self.outputs:  # unallocated again: a run keeps the last one's, whose rows may differ
+            io.bind_output(name)
         self.session.run_with_iobinding(io)
-        accepted, next_token = (v.numpy() for v in io.get_outputs()[-2:])
-        if rows != len(slots):
-            accepted, next_token = accepted[slots - lo], next_token[slots - lo]
+        outs = {name: v.numpy() for name, v in zip(self.outputs, io.get_outputs()[-len(self.outputs):])}
+        if rows != len(slots):  # one token a row: the call's rows out of the range's
+            outs = {name: v[slots - lo] for name, v in outs.items()}
         token_slots = np.repeat(slots, len(feeds["tokens"]) // len(slots))
         present = DecodeEntries(buf[token_slots, :, feeds["positions"]] for buf in self.cache.slot_major)
-        return {"accepted": accepted, "next_token": next_token}, present
+        return outs, present
