@@ -129,7 +129,8 @@ class DecodePath:
         return io
 
     def run(self, feeds: dict) -> tuple[dict, list[np.ndarray]]:
-        """-> (accepted, next_token of the call's rows; their new entries [N, KVH, D] per cache, interleaved)."""
+        """-> (accepted, next_token (and a DSpark target's aux_hidden) of the call's rows; their new entries
+        [N, KVH, D] per cache, interleaved)."""
         slots = np.asarray(feeds["slot_ids"], dtype=np.int64)
         lo, hi = int(slots.min()), int(slots.max()) + 1
         rows = hi - lo
