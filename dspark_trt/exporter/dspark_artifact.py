@@ -31,8 +31,8 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     artifacts (exporter/external_data.py: a graph's weights over 1 GiB go to `<file>.data` under auto)."""
     from tqdm import tqdm
 
-    from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DECODE_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE, export_dspark,
-                                                   export_target_with_aux)
+    from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DECODE_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE,
+                                                   export_dspark, export_target_with_aux)
     from dspark_trt.exporter.export import _io, plan_dims
     from dspark_trt.exporter.ort_flavour import check_flavour, export_ort_decode, ort_file, record_ort_graph
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
@@ -107,8 +107,7 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
                     DSPARK_SAMPLE_GRAPH: {"file": SAMPLE_FILE, **_io(tmp / SAMPLE_FILE)},
                     CONTEXT_GRAPH: {"file": CONTEXT_FILE, **_io(tmp / CONTEXT_FILE)}})
         if fused:
-            record_ort_graph(manifest["graphs"], "target", _io(tmp / target_ort), file=target_ort)
-            manifest["graphs"]["target"]["ort"]["decode"] = DECODE_FILE
+            record_ort_graph(manifest["graphs"], "target", _io(tmp / target_ort), file=target_ort, decode=DECODE_FILE)
             for graph, key in (("draft", "draft_ort"), (DSPARK_SAMPLE_GRAPH, "sample_ort")):
                 path = drafter_files[key]
                 record_ort_graph(manifest["graphs"], graph, _io(path), file=path.name)

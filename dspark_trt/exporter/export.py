@@ -154,9 +154,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
                   GREEDY_DRAFT_GRAPH: {"file": GREEDY_DRAFT_FILE, **_io(tmp / GREEDY_DRAFT_FILE)},
                   "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
         for g in graphs if with_ort else ():
-            record_ort_graph(graphs, g, _io(tmp / ort_file(g)))
-        if with_ort:
-            graphs["target"]["ort"]["decode"] = DECODE_FILE
+            record_ort_graph(graphs, g, _io(tmp / ort_file(g)), decode=DECODE_FILE if g == "target" else None)
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype,
                                   graphs=graphs)

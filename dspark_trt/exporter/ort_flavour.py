@@ -57,14 +57,17 @@ def export_ort_decode(decoder, out_dir: Path, dtype, vocab: int, max_positions: 
     return export_target_decode(decode, Path(out_dir) / file, max_positions, dtype, vocab, external_data)
 
 
-def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused", file: str | None = None) -> None:
+def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused", file: str | None = None,
+                     decode: str | None = None) -> None:
     """Add graphs[graph]["ort"] after checking the flavour's I/O is the standard graph's, name for name.
-    file: the flavour's file when it is not ort_file(graph)."""
+    file: the flavour's file when it is not ort_file(graph); decode: the target's decoding graph's file."""
     std = {k: graphs[graph][k] for k in ("inputs", "outputs")}
     if io != std:
         raise DsparkError(f"the ORT flavour of the {graph} graph changed its inputs or outputs: this is a bug "
                           f"in dspark_trt/models/ort_fused.py (export with --ort-flavour none meanwhile)")
     graphs[graph]["ort"] = {"file": file or ort_file(graph), "flavour": flavour}
+    if decode is not None:
+        graphs[graph]["ort"]["decode"] = decode
 
 
 def check_flavour(flavour: str) -> None:

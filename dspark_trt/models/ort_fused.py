@@ -87,10 +87,7 @@ class FusedAttention(nn.Module):
         r, lq = batch.pack_index.shape
         groups = h // kvh
         pack = batch.pack_index
-        q, k, v = self.qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
-        if self.q_norm is not None:
-            q = rms_norm(q.unflatten(-1, (h, d)), self.q_norm.weight, self.q_norm.eps).flatten(-2)
-            k = rms_norm(k.unflatten(-1, (kvh, d)), self.k_norm.weight, self.k_norm.eps).flatten(-2)
+        q, k, v = self._qkv(x)
         # New keys rotated where they are packed (the cache's entries); queries rotated after padding.
         k = rotary(k[None], batch.positions[None], *tables, kvh)[0]
         q = rotary(q[pack], batch.positions[pack], *tables, h)  # [R, Lq, H * D]
@@ -111,22 +108,27 @@ class FusedAttention(nn.Module):
         out = out.reshape(r, h, lq, d).transpose(1, 2).reshape(r * lq, h * d)
         return self.o_proj(out[batch.unpack_index]), k.unflatten(-1, (kvh, d)), v.unflatten(-1, (kvh, d))
 
-
     def forward_decode(self, x, positions, seqlens, total, past_k, past_v, tables):
         """T new tokens in each of B rows over slot-major caches (x [B, T, hidden], positions [B, T], past
         [B, KVH, max_context, D], row b the cache's slot b): -> (attention output [B, T, hidden], the caches
         with the new entries written at positions). Under export a GroupQueryAttention node that reads the
         past in place and, with its present outputs bound to the same buffers, writes only the new entries
         (ONNX Runtime takes T > 1 only when B = 1)."""
+        h, kvh = self.n_heads, self.n_kv
+        q, k, v = self._qkv(x)
+        k = rotary(k, positions, *tables, kvh)
+        q = rotary(q, positions, *tables, h)
+        out, present_k, present_v = group_query_attention(q, k, v, past_k, past_v, seqlens, total, h, kvh)
+        return self.o_proj(out), present_k, present_v
+
+    def _qkv(self, x):
+        """(q, k, v) projected, q and k normed where the model has q/k norms."""
         h, kvh, d = self.n_heads, self.n_kv, self.head_dim
         q, k, v = self.qkv(x).split([h * d, kvh * d, kvh * d], dim=-1)
         if self.q_norm is not None:
             q = rms_norm(q.unflatten(-1, (h, d)), self.q_norm.weight, self.q_norm.eps).flatten(-2)
             k = rms_norm(k.unflatten(-1, (kvh, d)), self.k_norm.weight, self.k_norm.eps).flatten(-2)
-        k = rotary(k, positions, *tables, kvh)
-        q = rotary(q, positions, *tables, h)
-        out, present_k, present_v = group_query_attention(q, k, v, past_k, past_v, seqlens, total, h, kvh)
-        return self.o_proj(out), present_k, present_v
+        return q, k, v
 
 
 def group_query_attention(q, k, v, past_k, past_v, seqlens, total, num_heads: int, kv_heads: int):
@@ -193,12 +195,17 @@ class FusedLayers(nn.Module):
         attn = self.attn[0]
         mask = _attention_mask(batch, x.device, causal).repeat(1, 1, attn.n_heads // attn.n_kv, 1)  # rows as qg
         tables = (self.cos_table, self.sin_table)
+        return self._layers(x, lambda i, h: self.attn[i](h, batch, i, tables, mask), capture)
+
+    def _layers(self, x, attend, capture):
+        """The stack around an attention: attend(i, normed x) -> (layer i's attention output, its new keys,
+        values) -> (final-normed hidden states, keys and values per layer, {k: residual after k layers})."""
         captured = {0: x} if 0 in capture else {}
         h = rms_norm(x, self.norm_in[0], self.eps)
         keys, values = [], []
         n = len(self.attn)
         for i in range(n):
-            a, k, v = self.attn[i](h, batch, i, tables, mask)
+            a, k, v = attend(i, h)
             h, x = add_rms_norm(a, x, self.norm_post[i], self.eps)
             out_w = self.norm_in[i + 1] if i + 1 < n else self.norm.weight
             h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
@@ -208,30 +215,19 @@ class FusedLayers(nn.Module):
                 captured[i + 1] = x
         return h, keys, values, captured
 
-
     def forward_decode(self, x, past_lens, past, capture=()):
         """T new tokens in each of B rows over slot-major caches (FusedAttention.forward_decode): x
         [B, T, hidden] embedded, past_lens [B], past interleaved [k0, v0, k1, ...] each [B, KVH, Pmax, D]
         -> (final-normed hidden [B, T, hidden], the caches with the new entries written, {k: the residual
         stream after k layers} for k in capture)."""
-        captured = {0: x} if 0 in capture else {}
         t = x.shape[1]
         positions = past_lens[:, None] + torch.arange(t, device=x.device)[None, :]
         seqlens = (past_lens + (t - 1)).to(torch.int32)
         total = (seqlens.max() + 1).to(torch.int32)
         tables = (self.cos_table, self.sin_table)
-        h = rms_norm(x, self.norm_in[0], self.eps)
-        present = []
-        n = len(self.attn)
-        for i in range(n):
-            a, k, v = self.attn[i].forward_decode(h, positions, seqlens, total, past[2 * i], past[2 * i + 1], tables)
-            h, x = add_rms_norm(a, x, self.norm_post[i], self.eps)
-            out_w = self.norm_in[i + 1] if i + 1 < n else self.norm.weight
-            h, x = add_rms_norm(self.mlp[i](h), x, out_w, self.eps)
-            present += [k, v]
-            if i + 1 in capture:
-                captured[i + 1] = x
-        return h, present, captured
+        h, keys, values, captured = self._layers(x, lambda i, h: self.attn[i].forward_decode(
+            h, positions, seqlens, total, past[2 * i], past[2 * i + 1], tables), capture)
+        return h, [t for kv in zip(keys, values) for t in kv], captured
 
 
 class FusedDecoder(nn.Module):

@@ -87,7 +87,8 @@ class Runtime:
         # A backend may keep the caches itself (e.g. on the GPU for TensorRT); the default is host numpy.
         make_cache = getattr(backend, "make_kv_cache", None) or KVCache
         # ...or the target's in a second layout as well (the ORT backend's decode graph: backends/ort_decode.py).
-        self.target_kv = getattr(backend, "target_kv_cache", make_cache)(m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
+        self.target_kv = getattr(backend, "target_kv_cache", make_cache)(
+            m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
         self.metrics = Metrics(self.max_draft)
         self.costs = Costs(self.max_tokens_per_step, self.max_draft, t.overhead_window)
         self.costs.table = cost_table

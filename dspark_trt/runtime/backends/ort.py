@@ -51,6 +51,17 @@ def open_session(path: Path, opts):
         raise DsparkError(f"ONNX Runtime cannot load {path}: {str(e).splitlines()[0]}") from None
 
 
+def _twin_session(twin: bytes, path: Path, opts):
+    """A session over the all-greedy twin (backends/ort_greedy.py) derived from the graph at `path`."""
+    import onnxruntime as ort
+
+    try:
+        return ort.InferenceSession(twin, opts, providers=_providers(ort))
+    except Exception as e:  # ORT raises its own exception types
+        raise DsparkError(f"ONNX Runtime cannot load the all-greedy twin of {path}: "
+                          f"{str(e).splitlines()[0]}") from None
+
+
 # Busy share of all cores under which the machine counts as idle at load (DSPARK_ORT_SPIN=auto): `yes`
 # beside the server on 2 cores reads ~0.5, an idle VM 0.01-0.05.
 SPIN_IDLE_BELOW = 0.2
@@ -134,17 +145,10 @@ class OrtBackend:
         path = artifact_dir / self.files["target"]
         if not ort_greedy.wanted() or Path(f"{path}.data").exists():
             return
-        import onnxruntime as ort
-
         twin = ort_greedy.greedy_twin_bytes(path)
         if twin is None:
             return
-        try:
-            sess = ort.InferenceSession(twin, opts, providers=_providers(ort))
-        except Exception as e:  # ORT raises its own exception types
-            raise DsparkError(f"ONNX Runtime cannot load the all-greedy twin of {path}: "
-                              f"{str(e).splitlines()[0]}") from None
-        self.sessions[GREEDY_TARGET] = sess
+        sess = self.sessions[GREEDY_TARGET] = _twin_session(twin, path, opts)
         self.outputs[GREEDY_TARGET] = [o.name for o in sess.get_outputs()]
         self.num_layers[GREEDY_TARGET] = self.num_layers["target"]
         self.greedy_inputs = {i.name for i in sess.get_inputs()}
@@ -164,11 +168,9 @@ class OrtBackend:
         path = artifact_dir / file
         self._decode_sessions["target"] = open_session(path, opts)
         if self.greedy_inputs is not None:
-            import onnxruntime as ort
-
             twin = ort_greedy.greedy_twin_bytes(path)
             if twin is not None:
-                self._decode_sessions[GREEDY_TARGET] = ort.InferenceSession(twin, opts, providers=_providers(ort))
+                self._decode_sessions[GREEDY_TARGET] = _twin_session(twin, path, opts)
 
     def target_kv_copies(self, max_context: int) -> int:
         """How many copies of the target's cache target_kv_cache() keeps at this context (the memory plan

@@ -11,11 +11,12 @@ new tokens a row only in a one-row batch): at 1-64 one-token rows 1.3x-1.5x fast
 
 So the target's cache is kept twice (MirroredKVCache): the host cache every other call reads and writes,
 and the slot-major copy, brought up to date from it just before a decode call reads a slot (a decode
-call's own entries are written by the graph into the copy and by the runtime into the host cache). The rows of a call are a range of the
-copy's slots in order; a slot in that range that is not in the call runs as a dummy row whose entry lands past
-anything its request has written (its last written position + 1), where the next real write overwrites
-it before anything reads it; a call that would need a dummy at the end of the context runs the packed
-graph instead. DSPARK_ORT_DECODE=0 turns this off (comparisons; the cache is then kept once).
+call's own entries are written by the graph into the copy and by the runtime into the host cache). The
+rows of a call are a range of the copy's slots in order; a slot in that range that is not in the call
+runs as a dummy row whose entry lands past anything its request has written (its last written position
++ 1), where the next real write overwrites it before anything reads it; a call that would need a dummy at
+the end of the context runs the packed graph instead. DSPARK_ORT_DECODE=0 turns this off (comparisons;
+the cache is then kept once).
 """
 
 from __future__ import annotations
@@ -52,8 +53,7 @@ class MirroredKVCache(KVCache):
         shape = (slots, kv_heads, max_context, head_dim)
         self.slot_major = [np.zeros(shape, dtype=dtype) for _ in range(2 * num_layers)]
         self._sm_flat = [b.reshape(slots * kv_heads * max_context, head_dim) for b in self.slot_major]
-        self._host_rows = [b.reshape(max_context * slots * kv_heads, head_dim)
-                           for kv in zip(self.keys, self.values) for b in kv]
+        self._host_rows = [f.reshape(-1, head_dim) for f in self._flat]  # (position, slot, head) rows
         self.kv_heads = kv_heads
         self.written_end = np.zeros(slots, dtype=np.int64)
         self.stale_lo = np.full(slots, max_context, dtype=np.int64)  # empty while stale_lo >= stale_hi
@@ -109,11 +109,11 @@ class DecodePath:
 
     def takes(self, feeds: dict) -> bool:
         slots, lens = feeds["slot_ids"], feeds["verify_lens"]
-        rows, tokens = len(slots), len(feeds["tokens"])
+        rows, tokens, context = len(slots), len(feeds["tokens"]), self.cache.max_context
         if tokens == rows:  # one token a row: plain rows only, dummies (if any) inside the context
             lo, hi = int(slots.min()), int(slots.max()) + 1
-            return not lens.any() and (hi - lo == rows or int(self.cache.written_end[lo:hi].max()) < self.cache.max_context)
-        return rows == 1 and int(lens[0]) == tokens - 1 and int(feeds["past_lens"][0]) + tokens <= self.cache.max_context
+            return not lens.any() and (hi - lo == rows or int(self.cache.written_end[lo:hi].max()) < context)
+        return rows == 1 and int(lens[0]) == tokens - 1 and int(feeds["past_lens"][0]) + tokens <= context
 
     def _binding(self, lo: int, rows: int):
         io = self._bound.get((lo, rows))
