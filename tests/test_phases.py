@@ -80,7 +80,7 @@ def depth_planner(tuning=RuntimeTuning()):
 
 def test_without_a_cost_profile_adaptive_requests_may_draft_to_the_limit():
     costs = Costs(64, K)
-    batch = SimpleNamespace(n_adaptive=2, decode=[object(), object()])
+    batch = SimpleNamespace(n_adaptive=2, decode=[object(), object()], prefill=[], held=[])
     assert depth_planner().plan(batch, costs.for_step(2, 0)).steps == K
 
 
@@ -103,6 +103,33 @@ def test_starting_to_draft_pays_the_drafts_catch_up_spread_over_the_plans_steps(
     assert depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: 0.0).steps > 0
     behind = depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: 100.0 * tuning.plan_every)
     assert behind.steps == 0
+
+
+def test_while_prompts_join_the_batch_starting_to_draft_pays_its_whole_catch_up_in_one_step():
+    """The rows left decoding while a wave of prompts goes in are a shape of one or two steps: the next
+    step, full again, plans plainly, so a catch-up spread over the plan's steps was paid for one step of
+    drafting (at 16 requests each such step cost 2-5x a plain one). The same catch-up is worth paying
+    when the batch keeps its shape."""
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))
+    tuning = replace(RuntimeTuning(), plain_check_every=0)
+    catch_up = 4.0 * tuning.plan_every  # ms: pays spread over plan_every steps, not in one
+    assert depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: catch_up).steps > 0
+    joining = depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: catch_up, joining=True)
+    assert joining.steps == 0
+    caught_up = depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: 0.0, joining=True)
+    assert caught_up.steps > 0  # rows already drafting go on drafting while prompts join
+
+
+def test_the_planner_reads_joining_prompts_off_the_batch():
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))
+    tuning = replace(RuntimeTuning(), plain_check_every=0)
+    rows = [request(i) for i in range(4)]
+    for prefill, held, drafts in (([], [], True), ([request(5)], [], False), ([], [request(5)], False)):
+        planner = DepthPlanner(K, tuning, AdaptiveController(), catch_up_ms=lambda reqs: 4.0 * tuning.plan_every)
+        batch = SimpleNamespace(n_adaptive=4, decode=rows, prefill=prefill, held=held)
+        assert (planner.plan(batch, costs.for_step(4, 0)).steps > 0) == drafts
 
 
 # ------------------------------------------------------------------------------------- verify planner

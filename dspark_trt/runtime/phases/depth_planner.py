@@ -60,17 +60,20 @@ class DepthPlanner:
         def catch_up() -> float:
             return self.catch_up_ms([r for r in batch.decode if r.mode.kind == "adaptive"])
         return self.plan_for(batch.n_adaptive, len(batch.decode), cost,
-                             catch_up if self.catch_up_ms is not None else None)
+                             catch_up if self.catch_up_ms is not None else None,
+                             joining=bool(batch.prefill or batch.held))
 
-    def plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up=None) -> DepthPlan:
+    def plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up=None, joining: bool = False) -> DepthPlan:
         """The plan for n_adaptive adaptive requests among n_decode decoding ones; catch_up: a function
-        giving the modelled ms of the draft catching them up, asked only when an exploration is near."""
+        giving the modelled ms of the draft catching them up, asked only when an exploration is near;
+        joining: prompts are being fed or held, so more rows decode within a step or two."""
         if cost.table is None:
             return DepthPlan(self.max_draft)
-        key = (n_adaptive, n_decode)
+        key = (n_adaptive, n_decode, joining)
         cached = self._cache.get(key)
         if cached is None or cached.steps_left <= 0:
-            cached = self._best(n_adaptive, n_decode, cost, catch_up() if catch_up is not None else 0.0)
+            behind = catch_up() if catch_up is not None else 0.0
+            cached = self._best(n_adaptive, n_decode, cost, behind, 1 if joining else self.tuning.plan_every)
         best = cached.depth
         self._cache[key] = cached._replace(steps_left=cached.steps_left - 1)
         if best == 0:
@@ -87,18 +90,21 @@ class DepthPlanner:
             return DepthPlan(0, checking=True)
         return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
 
-    def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0) -> _CachedPlan:
+    def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0, horizon: int = 1) -> _CachedPlan:
         """The model's plan: best draft depth, and what a plain and an exploring step cost. behind_ms: the
         modelled ms of the draft catching up on what it has not seen, which drafting pays before its first
-        call: spread over the plan's steps, as the price of starting to draft. Unpriced, a model that put
+        call: spread over `horizon` steps, the price of starting to draft. Unpriced, a model that put
         plain decoding and drafting close (64 requests) switched between them every few plans and paid a
         catch-up of every row's recent text each time: two thirds of the full-width time went to drafting
-        steps at 0.87x plain decoding's tokens per ms."""
+        steps at 0.87x plain decoding's tokens per ms. The plan's steps are the horizon while the batch
+        keeps its shape; one step while prompts join it: at 16 requests the few rows left decoding while a
+        wave of prompts went in planned to draft, each catching up its whole text (8-10 ms), and the
+        next step, full again, did not draft (2-4 such steps a run, each 2-5x a plain step)."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
         explore_draft_ms = draft_ms
-        spec += behind_ms / self.tuning.plan_every
+        spec += behind_ms / horizon
         if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
             draft_ms, spec = 0.0, spec + draft_ms
         depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
