@@ -39,6 +39,9 @@ TARGET_OUTPUTS = ["accepted", "next_token"]
 # [rows, T], all scored; past and present slot-major [rows, KVH, max_context, D].
 DECODE_INPUTS = ["tokens", "past_lens", "verify_lens", "draft_tokens", "draft_probs", "temperature",
                  "accept_uniforms", "sample_uniforms"]
+# The draft's decoding graphs (graphs.draft.ort.decode, graphs.draft_greedy.ort.decode; DraftDecodeStep).
+DRAFT_DECODE_INPUTS = ["tokens", "past_lens", "temperature", "uniforms", "prev_survival", "draft_position"]
+GREEDY_DRAFT_DECODE_INPUTS = ["tokens", "past_lens", "prev_survival", "draft_position"]
 
 
 def kv_names(num_layers: int, prefix: str) -> list[str]:

@@ -184,7 +184,7 @@ def manifest_problems(d: dict) -> list[str]:
                 else:
                     if files is not None and ort["file"] not in files:
                         add(f"graphs.{g}.ort.file: {ort['file']!r} is not listed in manifest files (no hash recorded)")
-                    decode = ort.get("decode")  # the target's plain decoding graph (ort_flavour.DECODE_FILE)
+                    decode = ort.get("decode")  # its decoding graph (ort_flavour.decode_file)
                     if decode is not None and (not isinstance(decode, str) or (files is not None and decode not in files)):
                         add(f"graphs.{g}.ort.decode: {decode!r} is not a file listed in manifest files")
                     if ort.get("flavour") not in ORT_GRAPH_FLAVOURS:

@@ -186,10 +186,10 @@ def test_manifest_records_and_hashes_the_flavour(tiny_artifact, tmp_path):
     from dspark_trt.manifest import Manifest
 
     m = Manifest.load(tiny_artifact)
-    for graph in ("draft", "target"):
+    for graph in ("draft", "draft_greedy", "target"):
         entry = dict(m.graphs[graph]["ort"])
-        if graph == "target":  # and its plain decoding graph (test_ort_decode.py), hashed too
-            assert entry.pop("decode") == "target.decode.ort.onnx" and "target.decode.ort.onnx" in m.files
+        # and its decoding graph (test_ort_decode.py), hashed too
+        assert entry.pop("decode") == f"{graph}.decode.ort.onnx" and f"{graph}.decode.ort.onnx" in m.files
         assert entry == {"file": f"{graph}.ort.onnx", "flavour": "fused"}
         assert entry["file"] in m.files and m.files[entry["file"]]["sha256"]
     assert m.verify_hashes() == []

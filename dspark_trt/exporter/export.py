@@ -80,8 +80,8 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
 
     from dspark_trt.exporter.build_modules import load_steps
     from dspark_trt.exporter.onnx_export import export_draft, export_greedy_draft, export_target
-    from dspark_trt.exporter.ort_flavour import (DECODE_FILE, check_flavour, export_ort_decode, export_ort_graph,
-                                                 ort_file, record_ort_graph)
+    from dspark_trt.exporter.ort_flavour import (check_flavour, decode_file, export_ort_decode, export_ort_draft_decode,
+                                                 export_ort_graph, ort_file, record_ort_graph)
     from dspark_trt.models.checkpoint import check_same_vocab, torch_dtype
     from dspark_trt.models.confidence_head import has_head
     from dspark_trt.models.config import load_config, sliding_window_problem
@@ -139,6 +139,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
             for g in ("draft", GREEDY_DRAFT_GRAPH):
                 written += export_ort_graph(g, draft_step, tmp, max_batch, tdt, tcfg.vocab_size, max_context,
                                             external_data)
+                written += export_ort_draft_decode(g, draft_step, tmp, tdt, max_context, external_data)
         bar.update()
         bar.set_postfix_str("target.onnx")
         del draft_step  # free the draft's weights before tracing the target
@@ -154,7 +155,7 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
                   GREEDY_DRAFT_GRAPH: {"file": GREEDY_DRAFT_FILE, **_io(tmp / GREEDY_DRAFT_FILE)},
                   "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
         for g in graphs if with_ort else ():
-            record_ort_graph(graphs, g, _io(tmp / ort_file(g)), decode=DECODE_FILE if g == "target" else None)
+            record_ort_graph(graphs, g, _io(tmp / ort_file(g)), decode=decode_file(g))
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype,
                                   graphs=graphs)

@@ -72,6 +72,10 @@ class DraftStep(_PackedGraph):
                 temperature, uniforms, prev_survival, draft_position, *past):
         h_last, prev_token, present = self.last_hidden(tokens, positions, pack_index, unpack_index, query_lens,
                                                        past_lens, slot_ids, past)
+        return (*self.choose(h_last, prev_token, temperature, uniforms, prev_survival, draft_position), *present)
+
+    def choose(self, h_last, prev_token, temperature, uniforms, prev_survival, draft_position):
+        """From each request's last hidden state [R, H] and token: (token, probs, survival, confidence)."""
         logits = self.logits(h_last)  # [R, V]
         # Token choice in a handful of plain ops (the draft runs K times per step, so its per-call cost
         # matters): greedy = ArgMax (lowest index on ties, in torch and ONNX alike); sampling = inverse
@@ -86,7 +90,7 @@ class DraftStep(_PackedGraph):
         probs = torch.where(greedy, onehot, soft)
         conf, surv = self.confidence(h_last, prev_token, logits, prev_survival, draft_position,
                                      lambda: torch.softmax(logits, dim=-1).max(dim=-1).values)
-        return (token, probs, surv, conf, *present)
+        return token, probs, surv, conf
 
     def last_hidden(self, tokens, positions, pack_index, unpack_index, query_lens, past_lens, slot_ids, past):
         """(hidden state of each request's last token [R, H], that token [R], present KV)."""
@@ -123,6 +127,10 @@ class GreedyDraftStep(DraftStep):
                 prev_survival, draft_position, *past):
         h_last, prev_token, present = self.last_hidden(tokens, positions, pack_index, unpack_index, query_lens,
                                                        past_lens, slot_ids, past)
+        return (*self.choose_greedy(h_last, prev_token, prev_survival, draft_position), *present)
+
+    def choose_greedy(self, h_last, prev_token, prev_survival, draft_position):
+        """(argmax token, survival, confidence) from each request's last hidden state and token."""
         logits = self.logits(h_last)  # [R, V]
         token = logits.argmax(dim=-1)
 
@@ -131,7 +139,35 @@ class GreedyDraftStep(DraftStep):
             return 1.0 / torch.exp(logits - top).sum(dim=-1)
 
         conf, surv = self.confidence(h_last, prev_token, logits, prev_survival, draft_position, max_prob)
-        return (token, surv, conf, *present)
+        return token, surv, conf
+
+
+def _decode_last(step, tokens, past_lens, past):
+    """A decode step's (last hidden state of each row [B, H], its last token [B], the caches): the fused
+    layers over slot-major caches (models/ort_fused.FusedLayers.forward_decode)."""
+    d = step.decoder
+    hidden, present, _ = d.layers.forward_decode(d.embed_tokens(tokens), past_lens, list(past))
+    return hidden[:, -1], tokens[:, -1], present
+
+
+class DraftDecodeStep(DraftStep):
+    """The draft step of the ORT flavour's `decode` graph (over a FusedDecoder): T new tokens in each of B
+    rows over slot-major caches [B, KVH, max_context, D], row b cache slot b, read in place as
+    TargetDecodeStep reads the target's; the same token choice and confidence as DraftStep from each row's
+    last token. Runs the drafting calls of one token a row and one request's catch-up
+    (runtime/backends/ort_decode.py)."""
+
+    def forward(self, tokens, past_lens, temperature, uniforms, prev_survival, draft_position, *past):
+        h_last, prev_token, present = _decode_last(self, tokens, past_lens, past)
+        return (*self.choose(h_last, prev_token, temperature, uniforms, prev_survival, draft_position), *present)
+
+
+class GreedyDraftDecodeStep(GreedyDraftStep):
+    """DraftDecodeStep's all-greedy graph (GreedyDraftStep's outputs)."""
+
+    def forward(self, tokens, past_lens, prev_survival, draft_position, *past):
+        h_last, prev_token, present = _decode_last(self, tokens, past_lens, past)
+        return (*self.choose_greedy(h_last, prev_token, prev_survival, draft_position), *present)
 
 
 def accept(logits, draft_tokens, verify_lens, draft_probs, temperature, accept_uniforms, sample_uniforms):

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import torch
 
-from dspark_trt.exporter.graphs import DraftStep, GreedyDraftStep, TargetDecodeStep, TargetStep
-from dspark_trt.manifest import (DECODE_INPUTS, DRAFT_INPUTS, DRAFT_OUTPUTS, GREEDY_DRAFT_INPUTS, GREEDY_DRAFT_OUTPUTS, TARGET_INPUTS,
+from dspark_trt.exporter.graphs import (DraftStep, GreedyDraftDecodeStep, GreedyDraftStep, TargetDecodeStep,
+                                        TargetStep)
+from dspark_trt.manifest import (DECODE_INPUTS, DRAFT_DECODE_INPUTS, DRAFT_INPUTS, DRAFT_OUTPUTS,
+                                 GREEDY_DRAFT_DECODE_INPUTS, GREEDY_DRAFT_INPUTS, GREEDY_DRAFT_OUTPUTS, TARGET_INPUTS,
                                  TARGET_OUTPUTS, kv_names)
 
 # Example sizes used for tracing; all distinct and >= 2 so no dim is specialised or aliased.
@@ -118,6 +120,28 @@ def export_target_decode(step: TargetDecodeStep, path: Path, max_context: int, d
         (tuple({0: r, 2: ctx} for _ in range(2 * step.num_layers)),)
     outputs = TARGET_OUTPUTS + (["aux_hidden"] if step.aux_layers else [])
     return _export(step, args, DECODE_INPUTS, outputs, step.num_layers, path, external_data, shapes)
+
+
+def export_draft_decode(step, path: Path, max_context: int, dtype, external_data: str = "auto") -> list[str]:
+    """A draft decoding graph (exporter/graphs.DraftDecodeStep or GreedyDraftDecodeStep): rows, tokens a row
+    and the caches' position axis dynamic, as export_target_decode."""
+    cfg = step.decoder.config
+    rows, t = 3, 2
+    ex = {"tokens": torch.arange(rows * t).reshape(rows, t) % 7, "past_lens": torch.tensor([EX_PAST, 0, EX_PAST + 2]),
+          **{k: v for k, v in _draft_examples(rows).items()
+             if k in ("temperature", "uniforms", "prev_survival", "draft_position")}}
+    greedy = isinstance(step, GreedyDraftDecodeStep)
+    names = GREEDY_DRAFT_DECODE_INPUTS if greedy else DRAFT_DECODE_INPUTS
+    args = tuple(ex[k] for k in names) + tuple(
+        torch.zeros(rows, cfg.num_key_value_heads, max_context, cfg.head_dim, dtype=dtype)
+        for _ in range(2 * step.num_layers))
+    d = torch.export.Dim
+    r, q = d("num_requests", min=1), d("query_len", min=1)
+    ctx = d("max_context", min=2, max=max_context)
+    shapes = tuple({0: r, 1: q} if k == "tokens" else {0: r} for k in names) + \
+        (tuple({0: r, 2: ctx} for _ in range(2 * step.num_layers)),)
+    outputs = GREEDY_DRAFT_OUTPUTS if greedy else DRAFT_OUTPUTS
+    return _export(step, args, names, outputs, step.num_layers, path, external_data, shapes)
 
 
 def _export(module, args, input_names, output_names, num_layers, path: Path, external_data: str,

@@ -5,8 +5,10 @@ graphs and records each under `graphs.<graph>.ort` ({"file", "flavour"}) with it
 The ORT backend runs that file when the entry is there and the standard one otherwise (artifacts from
 before the flavour existed); TensorRT always builds from the standard graph.
 
-The target's flavour also has a plain decoding graph, `target.decode.ort.onnx` (graphs.target.ort.decode;
-exporter/graphs.TargetDecodeStep, runtime/backends/ort_decode.py): its own I/O, fixed by the code that runs it.
+The target's flavour also has a decoding graph, `target.decode.ort.onnx` (graphs.target.ort.decode;
+exporter/graphs.TargetDecodeStep, runtime/backends/ort_decode.py), and so have the draft's two graphs
+(`draft.decode.ort.onnx`, `draft_greedy.decode.ort.onnx`; DraftDecodeStep): their own I/O, fixed by the code
+that runs them.
 """
 
 from __future__ import annotations
@@ -42,7 +44,25 @@ def export_ort_graph(graph: str, step, out_dir: Path, num_slots: int, dtype, voc
     return export_target(twin, path, num_slots, dtype, vocab, external_data)
 
 
-DECODE_FILE = "target.decode.ort.onnx"
+def decode_file(graph: str) -> str:
+    """The decoding graph of `graph` (target, draft, draft_greedy)."""
+    return f"{graph}.decode.ort.onnx"
+
+
+DECODE_FILE = decode_file("target")
+
+
+def export_ort_draft_decode(graph: str, step, out_dir: Path, dtype, max_positions: int,
+                            external_data: str) -> list[str]:
+    """The draft's decoding graph (`graph`: "draft" or its all-greedy graph) from a standard DraftStep."""
+    from dspark_trt.exporter.graphs import DraftDecodeStep, GreedyDraftDecodeStep
+    from dspark_trt.exporter.onnx_export import export_draft_decode
+    from dspark_trt.manifest_schema import GREEDY_DRAFT_GRAPH
+    from dspark_trt.models.ort_fused import FusedDecoder
+
+    cls = GreedyDraftDecodeStep if graph == GREEDY_DRAFT_GRAPH else DraftDecodeStep
+    decode = cls(FusedDecoder(step.decoder, max_positions), step.head, step.temperatures).eval()
+    return export_draft_decode(decode, Path(out_dir) / decode_file(graph), max_positions, dtype, external_data)
 
 
 def export_ort_decode(decoder, out_dir: Path, dtype, vocab: int, max_positions: int, external_data: str,
@@ -60,7 +80,7 @@ def export_ort_decode(decoder, out_dir: Path, dtype, vocab: int, max_positions: 
 def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused", file: str | None = None,
                      decode: str | None = None) -> None:
     """Add graphs[graph]["ort"] after checking the flavour's I/O is the standard graph's, name for name.
-    file: the flavour's file when it is not ort_file(graph); decode: the target's decoding graph's file."""
+    file: the flavour's file when it is not ort_file(graph); decode: the graph's decoding graph's file."""
     std = {k: graphs[graph][k] for k in ("inputs", "outputs")}
     if io != std:
         raise DsparkError(f"the ORT flavour of the {graph} graph changed its inputs or outputs: this is a bug "

@@ -39,12 +39,14 @@ class MemoryPlan:
         return self.weights + self.kv_cache + self.activations
 
 
-def kv_bytes(manifest: dict, max_context: int, kv_itemsize: int, target_copies: int = 1) -> int:
-    """target_copies: 2 where the backend keeps the target's cache in a second layout too (ort_decode.py)."""
+def kv_bytes(manifest: dict, max_context: int, kv_itemsize: int, copies: dict | None = None) -> int:
+    """copies: {"target": n, "draft": n}, 2 where the backend keeps that cache in a second layout too
+    (ort_decode.py); 1 where absent."""
     slots = int(manifest["limits"]["max_batch"])
     total = 0
-    for sec, copies in ((manifest["model"], target_copies), (manifest["draft"], 1)):
-        total += copies * 2 * int(sec["num_layers"]) * max_context * slots * int(sec["num_kv_heads"]) * int(sec["head_dim"])
+    copies = copies or {}
+    for sec, n in ((manifest["model"], copies.get("target", 1)), (manifest["draft"], copies.get("draft", 1))):
+        total += n * 2 * int(sec["num_layers"]) * max_context * slots * int(sec["num_kv_heads"]) * int(sec["head_dim"])
     return total * kv_itemsize
 
 
@@ -96,7 +98,7 @@ def weight_bytes(artifact_dir, manifest: dict) -> int:
 
 
 def plan_memory(manifest: dict, artifact_dir=None, max_batch: int | None = None, max_context: int | None = None,
-                kv_itemsize: int = 4, available: int | None = None, target_copies: int = 1) -> MemoryPlan:
+                kv_itemsize: int = 4, available: int | None = None, copies: dict | None = None) -> MemoryPlan:
     """Check (and fit) max_batch x max_context against `available` bytes (None: unknown, no check);
     see the module docstring."""
     lim = manifest["limits"]
@@ -109,7 +111,7 @@ def plan_memory(manifest: dict, artifact_dir=None, max_batch: int | None = None,
                           f"re-export with --max-context {max_context}")
     batch, ctx = int(max_batch or exp_batch), int(max_context or exp_ctx)
     weights = weight_bytes(artifact_dir, manifest)
-    kv = kv_bytes(manifest, ctx, kv_itemsize, target_copies)
+    kv = kv_bytes(manifest, ctx, kv_itemsize, copies)
     avail = available
 
     def plan(b: int, note=None) -> MemoryPlan:
@@ -149,18 +151,19 @@ def plan_for(manifest: dict, artifact_dir, backend, max_batch, max_context, kv_d
             # the backend holds the weights already, so MemAvailable no longer counts them
             avail += weight_bytes(artifact_dir, manifest)
     itemsize = np.dtype(kv_dtype).itemsize
-    copies_at = getattr(backend, "target_kv_copies", None)
-    copies = copies_at(max_context or int(manifest["limits"]["max_context"])) if copies_at else 1
+    copies_at = getattr(backend, "kv_copies", None)
+    copies = copies_at(max_context or int(manifest["limits"]["max_context"])) if copies_at else {}
+    mirrored = any(n > 1 for n in copies.values())
     plan = None
     try:
         plan = plan_memory(manifest, artifact_dir, max_batch, max_context, itemsize, avail, copies)
     except DsparkError:
-        if copies == 1:
+        if not mirrored:
             raise
-    if copies > 1 and (plan is None or plan.note):
-        # The second copy is a speed-up, never worth a smaller batch: keep the cache once instead.
-        backend.drop_target_kv_copy()
-        print("memory plan: the target's KV cache is kept once (no slot-major copy for the ORT decode graph) "
+    if mirrored and (plan is None or plan.note):
+        # The second copies are a speed-up, never worth a smaller batch: keep each cache once instead.
+        backend.drop_kv_copies()
+        print("memory plan: the KV caches are kept once (no slot-major copies for the ORT decoding graphs) "
               "to fit the memory available", file=sys.stderr)
         plan = plan_memory(manifest, artifact_dir, max_batch, max_context, itemsize, avail)
     if plan.note:

@@ -86,7 +86,7 @@ class Runtime:
         m, d = manifest["model"], manifest["draft"]
         # A backend may keep the caches itself (e.g. on the GPU for TensorRT); the default is host numpy.
         make_cache = getattr(backend, "make_kv_cache", None) or KVCache
-        # ...or the target's in a second layout as well (the ORT backend's decode graph: backends/ort_decode.py).
+        # ...or in a second layout as well (the ORT backend's decoding graphs: backends/ort_decode.py).
         self.target_kv = getattr(backend, "target_kv_cache", make_cache)(
             m["num_layers"], self.max_context, self.slots_total, m["num_kv_heads"], m["head_dim"], kv_dtype)
         self.metrics = Metrics(self.max_draft)
@@ -138,8 +138,8 @@ class Runtime:
                                       make_cache=make_cache, dtype=kv_dtype)
             return DsparkDrafter(drafting, self.tuning, limits, self.survival_correction, self.costs, self.metrics)
         d = self.manifest["draft"]
-        self.draft_kv = make_cache(d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"],
-                                   kv_dtype)
+        self.draft_kv = getattr(self.backend, "draft_kv_cache", make_cache)(
+            d["num_layers"], self.max_context, self.slots_total, d["num_kv_heads"], d["head_dim"], kv_dtype)
         return Drafter(self.backend, self.draft_kv, self.tuning, limits, self.controller, self.survival_correction,
                        self.costs, self.metrics)
 

@@ -12,6 +12,7 @@ from dspark_trt.errors import DsparkError
 from dspark_trt.manifest_schema import GREEDY_DRAFT_GRAPH, OPTIONAL_GRAPHS
 
 GREEDY_TARGET = "target_greedy"  # the target's all-greedy twin, derived at load (backends/ort_greedy.py)
+MODEL_OF = {"target": "target", GREEDY_TARGET: "target", "draft": "draft", GREEDY_DRAFT_GRAPH: "draft"}  # whose cache
 
 
 def _providers(ort) -> list[str]:
@@ -154,48 +155,67 @@ class OrtBackend:
         self.greedy_inputs = {i.name for i in sess.get_inputs()}
 
     def _open_decode(self, artifact_dir: Path, manifest: dict, flavour: str, opts) -> None:
-        """The plain decoding graph over slot-major caches (backends/ort_decode.py), where the artifact has
-        one; its all-greedy twin beside it like the target's. The path itself starts once the runtime asks
-        for the target's cache (target_kv_cache)."""
+        """The decoding graphs over slot-major caches (backends/ort_decode.py) of the graphs that have one in
+        the artifact, the target's all-greedy twin derived beside its own. A model's decode paths start once
+        the runtime asks for its cache (target_kv_cache, draft_kv_cache)."""
         from dspark_trt.runtime.backends import ort_decode, ort_greedy
 
-        self.decode = None
+        self.decode = {}  # graph -> DecodePath
         self._decode_sessions = {}
-        ort_spec = manifest["graphs"]["target"].get("ort") if flavour == "auto" else None
-        file = ort_spec.get("decode") if isinstance(ort_spec, dict) else None
-        if file is None or "target" not in self.sessions or not ort_decode.wanted():
+        if not ort_decode.wanted():
             return
-        path = artifact_dir / file
-        self._decode_sessions["target"] = open_session(path, opts)
-        if self.greedy_inputs is not None:
-            twin = ort_greedy.greedy_twin_bytes(path)
-            if twin is not None:
-                self._decode_sessions[GREEDY_TARGET] = _twin_session(twin, path, opts)
+        for graph in [g for g in self.sessions if g in MODEL_OF and g != GREEDY_TARGET]:
+            ort_spec = manifest["graphs"][graph].get("ort") if flavour == "auto" else None
+            file = ort_spec.get("decode") if isinstance(ort_spec, dict) else None
+            if file is None:
+                continue
+            path = artifact_dir / file
+            self._decode_sessions[graph] = open_session(path, opts)
+            if graph == "target" and self.greedy_inputs is not None:
+                twin = ort_greedy.greedy_twin_bytes(path)
+                if twin is not None:
+                    self._decode_sessions[GREEDY_TARGET] = _twin_session(twin, path, opts)
 
-    def target_kv_copies(self, max_context: int) -> int:
-        """How many copies of the target's cache target_kv_cache() keeps at this context (the memory plan
-        counts them): two with the decode graph (its caches' position axis is the runtime's context)."""
-        sess = self._decode_sessions.get("target")
-        if sess is None:
-            return 1
-        axis = {i.name: i.shape for i in sess.get_inputs()}["past_key_values.0.key"][2]
-        return 2 if not isinstance(axis, int) or axis == max_context else 1
+    def kv_copies(self, max_context: int) -> dict[str, int]:
+        """How many copies of each model's cache its *_kv_cache() keeps at this context (the memory plan
+        counts them): two where it has a decoding graph (whose caches' position axis is the runtime's
+        context)."""
+        out = {}
+        for model in ("target", "draft"):
+            sess = self._decode_sessions.get(model)
+            if sess is None:
+                out[model] = 1
+                continue
+            axis = {i.name: i.shape for i in sess.get_inputs()}["past_key_values.0.key"][2]
+            out[model] = 2 if not isinstance(axis, int) or axis == max_context else 1
+        return out
 
-    def drop_target_kv_copy(self) -> None:
-        """No decode graph, so the target's cache is kept once (the memory plan's choice when both do not fit)."""
+    def drop_kv_copies(self) -> None:
+        """No decoding graphs, so each cache is kept once (the memory plan's choice when both do not fit)."""
         self._decode_sessions = {}
 
     def target_kv_cache(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int,
                         dtype=np.float32):
-        """The target's host cache, mirrored slot-major for the decode graph where it runs (target_kv_copies)."""
+        """The target's host cache, mirrored slot-major for its decoding graph where it runs (kv_copies)."""
+        return self._kv_cache("target", num_layers, max_context, slots, kv_heads, head_dim, dtype)
+
+    def draft_kv_cache(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int,
+                       dtype=np.float32):
+        """The draft's host cache, mirrored slot-major for its decoding graphs where they run (kv_copies)."""
+        return self._kv_cache("draft", num_layers, max_context, slots, kv_heads, head_dim, dtype)
+
+    def _kv_cache(self, model: str, num_layers, max_context, slots, kv_heads, head_dim, dtype):
         from dspark_trt.runtime.backends.ort_decode import DecodePath, MirroredKVCache
         from dspark_trt.runtime.kv_cache import KVCache
 
-        if self.target_kv_copies(max_context) == 1:
-            self._decode_sessions = {}
+        graphs = [g for g in self._decode_sessions if MODEL_OF[g] == model]
+        if self.kv_copies(max_context)[model] == 1:
+            for g in graphs:
+                del self._decode_sessions[g]
             return KVCache(num_layers, max_context, slots, kv_heads, head_dim, dtype)
         cache = MirroredKVCache(num_layers, max_context, slots, kv_heads, head_dim, dtype)
-        self.decode = {g: DecodePath(sess, cache, num_layers) for g, sess in self._decode_sessions.items()}
+        for g in graphs:  # the draft's: one request's calls only (ort_decode.py)
+            self.decode[g] = DecodePath(self._decode_sessions[g], cache, num_layers, 1 if model == "draft" else None)
         return cache
 
     def _run(self, graph: str, feeds: dict, past: list[np.ndarray]):
@@ -210,21 +230,25 @@ class OrtBackend:
         present = [named.pop(f"present.{i}.{kv}") for i in range(n) for kv in ("key", "value")]
         return named, present
 
+    def _run_or_decode(self, graph: str, feeds: dict, past, path=None):
+        """The call on the graph's decoding graph where that takes it (ort_decode.DecodePath.takes), else
+        on the graph itself."""
+        path = path or self.decode.get(graph)
+        if path is not None and path.takes(feeds):
+            self.calls[f"{graph}.decode"] += 1
+            return path.run(feeds)
+        return self._run(graph, feeds, past)
+
     def run_draft(self, feeds, past):
-        return self._run("draft", feeds, past)
+        return self._run_or_decode("draft", feeds, past)
 
     def run_draft_greedy(self, feeds, past):
         """The draft step on the all-greedy graph (needs has_greedy_draft): no temperature/uniforms in,
         no draft_probs out."""
-        return self._run(GREEDY_DRAFT_GRAPH, feeds, past)
+        return self._run_or_decode(GREEDY_DRAFT_GRAPH, feeds, past)
 
     def run_target(self, feeds, past):
         """The verify/prefill step; calls with no sampling row run the all-greedy twin where there is one."""
         greedy = self.greedy_inputs is not None and not (np.asarray(feeds["temperature"]) > 0).any()
         graph = GREEDY_TARGET if greedy else "target"
-        if self.decode is not None:
-            path = self.decode.get(graph) or self.decode["target"]
-            if path.takes(feeds):
-                self.calls[f"{graph}.decode"] += 1
-                return path.run(feeds)
-        return self._run(graph, feeds, past)
+        return self._run_or_decode(graph, feeds, past, self.decode.get(graph) or self.decode.get("target"))

@@ -8,8 +8,13 @@ once and shared between past and present, so each layer reads the past where it 
 new entries. It runs the calls whose rows all bring one token and verify no drafts (plain decoding) and
 the calls of one row verifying its drafts (one request speculating; ONNX Runtime's attention takes several
 new tokens a row only in a one-row batch): at 1-64 one-token rows 1.3x-1.5x faster than the packed graph.
+The draft has decoding graphs too (exporter/graphs.DraftDecodeStep, and its all-greedy one), run for the
+calls of one request (its drafting calls and its catch-up): 1.02-1.04x the tokens/s at one request. Its
+one-token calls of 4-16 rows measured faster alone (0.67 against 0.76 ms at 16 rows) but made runs 2-4%
+slower (each drafting step's first call, ragged, runs the packed graph, so the next syncs the copy; the
+target's packed calls ran 4% slower beside the draft's copy), so those stay on the packed graph.
 
-So the target's cache is kept twice (MirroredKVCache): the host cache every other call reads and writes,
+So a model's cache is kept twice (MirroredKVCache): the host cache every other call reads and writes,
 and the slot-major copy, brought up to date from it just before a decode call reads a slot (a decode
 call's own entries are written by the graph into the copy and by the runtime into the host cache). The
 rows of a call are a range of the copy's slots in order; a slot in that range that is not in the call
@@ -25,7 +30,6 @@ import os
 
 import numpy as np
 
-from dspark_trt.manifest import DECODE_INPUTS
 from dspark_trt.runtime.kv_cache import KVCache
 
 
@@ -90,30 +94,37 @@ class MirroredKVCache(KVCache):
 
 
 class DecodePath:
-    """Runs target calls the decode graph takes over a MirroredKVCache: one token in every row and no
-    drafts (plain decoding), or one row verifying its drafts (ONNX Runtime's attention takes several new
-    tokens a row only in a one-row batch)."""
+    """Runs the calls a decoding graph takes over a MirroredKVCache: one token in every row (plain decoding,
+    or a drafting call) with no drafts to verify, or one row with several tokens (one request verifying its
+    drafts, or the draft catching one request up): ONNX Runtime's attention takes several new tokens a row
+    only in a one-row batch. The graph's inputs are its session's other than the caches, its outputs the
+    ones other than present, bound after the caches."""
 
-    def __init__(self, session, cache: MirroredKVCache, num_layers: int):
+    def __init__(self, session, cache: MirroredKVCache, num_layers: int, max_rows: int | None = None):
+        """max_rows: the most rows of a call it takes (None: any)."""
         import onnxruntime as ort
 
         self._ort = ort
         self.session = session
         self.cache = cache
-        self.inputs = [i.name for i in session.get_inputs() if i.name in DECODE_INPUTS]
-        # bound after the caches, in this order; aux_hidden: a DSpark target's capture points, per token
-        self.outputs = [o.name for o in session.get_outputs() if o.name in ("accepted", "next_token", "aux_hidden")]
+        self.inputs = [i.name for i in session.get_inputs() if not i.name.startswith("past_key_values.")]
+        self.outputs = [o.name for o in session.get_outputs() if not o.name.startswith("present.")]
         self.past_names = [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
         self.present_names = [n.replace("past_key_values", "present") for n in self.past_names]
+        self.max_rows = max_rows
         self._bound: dict[tuple[int, int], object] = {}  # (first slot, rows) -> a binding of those slots
 
     def takes(self, feeds: dict) -> bool:
-        slots, lens = feeds["slot_ids"], feeds["verify_lens"]
+        slots, lens = feeds["slot_ids"], feeds.get("verify_lens")
         rows, tokens, context = len(slots), len(feeds["tokens"]), self.cache.max_context
-        if tokens == rows:  # one token a row: plain rows only, dummies (if any) inside the context
+        if self.max_rows is not None and rows > self.max_rows:
+            return False
+        if tokens == rows:  # one token a row: nothing verified, dummies (if any) inside the context
             lo, hi = int(slots.min()), int(slots.max()) + 1
-            return not lens.any() and (hi - lo == rows or int(self.cache.written_end[lo:hi].max()) < context)
-        return rows == 1 and int(lens[0]) == tokens - 1 and int(feeds["past_lens"][0]) + tokens <= context
+            return (lens is None or not lens.any()) and (
+                hi - lo == rows or int(self.cache.written_end[lo:hi].max()) < context)
+        return rows == 1 and (lens is None or int(lens[0]) == tokens - 1) and \
+            int(feeds["past_lens"][0]) + tokens <= context
 
     def _binding(self, lo: int, rows: int):
         io = self._bound.get((lo, rows))
@@ -129,8 +140,9 @@ class DecodePath:
         return io
 
     def run(self, feeds: dict) -> tuple[dict, list[np.ndarray]]:
-        """-> (accepted, next_token (and a DSpark target's aux_hidden) of the call's rows; their new entries
-        [N, KVH, D] per cache, interleaved)."""
+        """-> (the graph's outputs for the call's rows (a target's accepted, next_token and, for a DSpark
+        target, aux_hidden; a draft's tokens and survivals); their new entries [N, KVH, D] per cache,
+        interleaved)."""
         slots = np.asarray(feeds["slot_ids"], dtype=np.int64)
         lo, hi = int(slots.min()), int(slots.max()) + 1
         rows = hi - lo
