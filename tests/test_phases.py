@@ -22,7 +22,7 @@ from dspark_trt.runtime.phases.admission import Admission, QueueFullError
 from dspark_trt.runtime.phases.commit import Committer
 from dspark_trt.runtime.phases.depth_planner import DepthPlanner
 from dspark_trt.runtime.phases.drafter import Draft, DraftRound
-from dspark_trt.runtime.phases.verifier import VerifyResult
+from dspark_trt.runtime.phases.verifier import Verifier, VerifyResult
 from dspark_trt.runtime.phases.verify_planner import VerifyPlanner
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.tuning import RuntimeTuning
@@ -130,6 +130,41 @@ def test_the_planner_reads_joining_prompts_off_the_batch():
         planner = DepthPlanner(K, tuning, AdaptiveController(), catch_up_ms=lambda reqs: 4.0 * tuning.plan_every)
         batch = SimpleNamespace(n_adaptive=4, decode=rows, prefill=prefill, held=held)
         assert (planner.plan(batch, costs.for_step(4, 0)).steps > 0) == drafts
+
+
+# ------------------------------------------------------------------------------------------ verifier
+
+def test_a_cache_copys_sync_is_a_switch_cost_kept_out_of_what_the_call_is_priced_at():
+    """A decode call that first brings the target's cache copy up to date (ort_decode.MirroredKVCache.sync)
+    pays for the entries written since the slot last decoded: once per switch from drafting to plain
+    decoding. The verifier reports that time as the step's switch cost and teaches the cost model only the
+    rest (a plain check after drafting at 16 requests synced 2-4 ms and taught plain calls twice their
+    price)."""
+    import time
+
+    kv = SimpleNamespace(sync_ms=0.0, past=lambda n: [], write=lambda *a: None)
+
+    class Backend:
+        def run_target(self, feeds, past):
+            time.sleep(0.03)
+            kv.sync_ms += 25.0  # 25 of the call's ~30 ms went to the copy's sync
+            n = len(feeds["slot_ids"])
+            return {"accepted": np.zeros(n, np.int64), "next_token": np.full(n, 7, np.int64)}, []
+
+    seen = []
+    costs = Costs(64, K)
+    costs.table = SimpleNamespace(observe_verify=lambda tokens, ms: seen.append(ms),
+                                  call_shape=SimpleNamespace(observe=lambda *a: seen.append(a[4])))
+    costs.observing = True
+    verifier = Verifier(Backend(), kv, RuntimeTuning(), (97, 64, 64), costs, Metrics(K))
+    rows = [request(0, spec="off"), request(1, spec="off")]
+    for i, r in enumerate(rows):
+        r.slot, r.target_len = i, 3
+    batch = SimpleNamespace(decode=rows, prefill=[])
+    result = verifier.run(batch, DraftRound({}, 0.0, 0.0, 0.0), SimpleNamespace(lengths={}))
+    assert list(result.next_token) == [7, 7] and result.switch_ms == 25.0
+    assert len(seen) == 2 and all(0 < ms < 20 for ms in seen)  # ~5 ms of call, not ~30
+    assert result.priced_ms < 20
 
 
 # ------------------------------------------------------------------------------------- verify planner

@@ -89,5 +89,5 @@ class Learner:
             drafting_ms = wall_ms - prefill_ms - drafted.catch_up_ms
             confirmed = (nd + plan.predicted_accepted) * depth.plain_ms <= plain * drafting_ms
             self.exploration.settle(nd, depth.charged_ms, wall_ms - prefill_ms - depth.plain_ms, confirmed)
-        unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.catch_up_ms
+        unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.catch_up_ms - result.switch_ms
         costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)

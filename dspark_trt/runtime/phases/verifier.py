@@ -37,6 +37,7 @@ class VerifyResult(NamedTuple):
     priced_ms: float  # full time of the target calls (feeds, engine, KV write)
     prefill_model_ms: float = 0.0  # the cost model's ms for the prompt chunks (their own call or their share)
     aux: list | None = None  # per row, the target's aux_hidden of its fed tokens (graphs that have it: DSpark)
+    switch_ms: float = 0.0  # time bringing a decode graph's cache copy up to date (a switch's cost, not priced)
 
 
 class Verifier:
@@ -80,6 +81,7 @@ class Verifier:
         next_tok = np.zeros(len(order), dtype=np.int64)
         target_ms, target_tokens, verified, priced = 0.0, 0, 0, 0.0
         aux = None
+        synced = getattr(self.kv, "sync_ms", 0.0)
         for g in groups:
             # a prompt chunk packed among decode rows (the rows before nd): its padding shows (call_shape.py)
             outs, ms, tokens, m, full = self._call([order[i] for i in g], [queries[i] for i in g],
@@ -100,13 +102,14 @@ class Verifier:
                              else self.costs.prefill_share(query_lens, past_lens, nd))
         return VerifyResult(order, chunked, np.asarray(vlens, dtype=np.int64), accepted, next_tok, query_lens,
                             past_lens, len(groups), ms, target_ms, target_tokens, verified, priced, prefill_model,
-                            aux)
+                            aux, getattr(self.kv, "sync_ms", 0.0) - synced)
 
     def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
               drafts: dict, chunk_among: bool = False):
         """One target call over these rows; returns (outputs, engine ms, tokens, verified rows, full ms).
         chunk_among: the call packs a prompt chunk among decode rows (observed every time)."""
-        tv = time.perf_counter()  # the call's full cost: feeds, engine, KV write
+        tv = time.perf_counter()  # the call's full cost: feeds, engine, KV write (a cache copy's sync aside)
+        synced = getattr(self.kv, "sync_ms", 0.0)
         slots = [r.slot for r in order]
         feeds = pack_queries(queries, past_lens, slots)
         vl = np.asarray(vlens, dtype=np.int64)
@@ -138,7 +141,7 @@ class Verifier:
         ms = (time.perf_counter() - te) * 1e3
         self.kv.write(present, feeds["positions"], token_slots(feeds))
         tokens = int(feeds["tokens"].shape[0])
-        full = (time.perf_counter() - tv) * 1e3
+        full = (time.perf_counter() - tv) * 1e3 - (getattr(self.kv, "sync_ms", 0.0) - synced)
         table = self.costs.table
         if table is not None and self.costs.observing:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
