@@ -154,7 +154,7 @@ class DraftDecodeStep(DraftStep):
     """The draft step of the ORT flavour's `decode` graph (over a FusedDecoder): T new tokens in each of B
     rows over slot-major caches [B, KVH, max_context, D], row b cache slot b, read in place as
     TargetDecodeStep reads the target's; the same token choice and confidence as DraftStep from each row's
-    last token. Runs the drafting calls of one token a row and one request's catch-up
+    last token. The ORT backend runs it for one request's calls, drafting and catch-up alike
     (runtime/backends/ort_decode.py)."""
 
     def forward(self, tokens, past_lens, temperature, uniforms, prev_survival, draft_position, *past):
