@@ -101,23 +101,30 @@ def export_target(step: TargetStep, path: Path, num_slots: int, dtype, vocab: in
     return _export(step, args, TARGET_INPUTS, outputs, step.num_layers, path, external_data)
 
 
+def _slot_major_caches(step, rows: int, rows_dim, max_context: int, dtype):
+    """A decoding graph's example caches ([rows, KVH, max_context, D], past and present alike) and their
+    dynamic shapes: rows_dim rows, the position axis the runtime's context (its --max-context, at most the
+    exported one)."""
+    cfg = step.decoder.config
+    ctx = torch.export.Dim("max_context", min=2, max=max_context)
+    n = 2 * step.num_layers
+    caches = tuple(torch.zeros(rows, cfg.num_key_value_heads, max_context, cfg.head_dim, dtype=dtype) for _ in range(n))
+    return caches, tuple({0: rows_dim, 2: ctx} for _ in range(n))
+
+
 def export_target_decode(step: TargetDecodeStep, path: Path, max_context: int, dtype, vocab: int,
                          external_data: str = "auto") -> list[str]:
     """The ORT flavour's decoding graph (exporter/graphs.TargetDecodeStep): rows, tokens a row and the
     caches' position axis (the runtime's context, up to max_context: the rotary tables' length) dynamic."""
-    cfg = step.decoder.config
     rows, t = 3, 2
     m = rows * t
-    args = (torch.arange(m).reshape(rows, t) % 7, torch.tensor([EX_PAST, 0, EX_PAST + 2]),
-            torch.full((rows,), t - 1), torch.zeros(m, dtype=torch.int64), torch.full((m, vocab), 1.0 / vocab),
-            torch.tensor([0.0, 0.7, 1.0]), torch.full((m,), 0.5), torch.tensor([0.1, 0.5, 0.9])) + tuple(
-        torch.zeros(rows, cfg.num_key_value_heads, max_context, cfg.head_dim, dtype=dtype)
-        for _ in range(2 * step.num_layers))
     d = torch.export.Dim
     r, q, mm = d("num_requests", min=1), d("query_len", min=1), d("verify_rows", min=1)
-    ctx = d("max_context", min=2, max=max_context)  # the runtime's --max-context, at most the exported one
-    shapes = ({0: r, 1: q}, {0: r}, {0: r}, {0: mm}, {0: mm}, {0: r}, {0: mm}, {0: r}) + \
-        (tuple({0: r, 2: ctx} for _ in range(2 * step.num_layers)),)
+    caches, cache_dims = _slot_major_caches(step, rows, r, max_context, dtype)
+    args = (torch.arange(m).reshape(rows, t) % 7, torch.tensor([EX_PAST, 0, EX_PAST + 2]),
+            torch.full((rows,), t - 1), torch.zeros(m, dtype=torch.int64), torch.full((m, vocab), 1.0 / vocab),
+            torch.tensor([0.0, 0.7, 1.0]), torch.full((m,), 0.5), torch.tensor([0.1, 0.5, 0.9])) + caches
+    shapes = ({0: r, 1: q}, {0: r}, {0: r}, {0: mm}, {0: mm}, {0: r}, {0: mm}, {0: r}, cache_dims)
     outputs = TARGET_OUTPUTS + (["aux_hidden"] if step.aux_layers else [])
     return _export(step, args, DECODE_INPUTS, outputs, step.num_layers, path, external_data, shapes)
 
@@ -125,21 +132,17 @@ def export_target_decode(step: TargetDecodeStep, path: Path, max_context: int, d
 def export_draft_decode(step, path: Path, max_context: int, dtype, external_data: str = "auto") -> list[str]:
     """A draft decoding graph (exporter/graphs.DraftDecodeStep or GreedyDraftDecodeStep): rows, tokens a row
     and the caches' position axis dynamic, as export_target_decode."""
-    cfg = step.decoder.config
     rows, t = 3, 2
     ex = {"tokens": torch.arange(rows * t).reshape(rows, t) % 7, "past_lens": torch.tensor([EX_PAST, 0, EX_PAST + 2]),
           **{k: v for k, v in _draft_examples(rows).items()
              if k in ("temperature", "uniforms", "prev_survival", "draft_position")}}
     greedy = isinstance(step, GreedyDraftDecodeStep)
     names = GREEDY_DRAFT_DECODE_INPUTS if greedy else DRAFT_DECODE_INPUTS
-    args = tuple(ex[k] for k in names) + tuple(
-        torch.zeros(rows, cfg.num_key_value_heads, max_context, cfg.head_dim, dtype=dtype)
-        for _ in range(2 * step.num_layers))
     d = torch.export.Dim
     r, q = d("num_requests", min=1), d("query_len", min=1)
-    ctx = d("max_context", min=2, max=max_context)
-    shapes = tuple({0: r, 1: q} if k == "tokens" else {0: r} for k in names) + \
-        (tuple({0: r, 2: ctx} for _ in range(2 * step.num_layers)),)
+    caches, cache_dims = _slot_major_caches(step, rows, r, max_context, dtype)
+    args = tuple(ex[k] for k in names) + caches
+    shapes = tuple({0: r, 1: q} if k == "tokens" else {0: r} for k in names) + (cache_dims,)
     outputs = GREEDY_DRAFT_OUTPUTS if greedy else DRAFT_OUTPUTS
     return _export(step, args, names, outputs, step.num_layers, path, external_data, shapes)
 

@@ -125,6 +125,7 @@ class DecodePath:
         self._row_outputs = {o.name: (tuple(o.shape[1:]), _NUMPY[o.type]) for o in session.get_outputs()
                              if o.name in self.outputs and o.type in _NUMPY and o.shape and o.shape[0] == rows_dim
                              and all(isinstance(d, int) for d in o.shape[1:])}
+        self._other_outputs = [name for name in self.outputs if name not in self._row_outputs]
         self.past_names = [f"past_key_values.{i}.{kv}" for i in range(num_layers) for kv in ("key", "value")]
         self.present_names = [n.replace("past_key_values", "present") for n in self.past_names]
         self.max_rows = max_rows
@@ -183,7 +184,7 @@ class DecodePath:
         io, mine = self._binding(lo, rows)
         for k in self.inputs:
             io.bind_cpu_input(k, np.ascontiguousarray(full[k]))
-        others = [name for name in self.outputs if name not in mine]
+        others = self._other_outputs
         for name in others:  # unallocated again: a run keeps the last one's, whose tokens may differ
             io.bind_output(name)
         self.session.run_with_iobinding(io)

@@ -81,12 +81,12 @@ class Verifier:
         next_tok = np.zeros(len(order), dtype=np.int64)
         target_ms, target_tokens, verified, priced = 0.0, 0, 0, 0.0
         aux = None
-        synced = getattr(self.kv, "sync_ms", 0.0)
+        switch = 0.0
         for g in groups:
             # a prompt chunk packed among decode rows (the rows before nd): its padding shows (call_shape.py)
-            outs, ms, tokens, m, full = self._call([order[i] for i in g], [queries[i] for i in g],
-                                                   [past_lens[i] for i in g], [vlens[i] for i in g], drafts,
-                                                   g.start < nd < g.stop)
+            outs, ms, tokens, m, full, synced = self._call([order[i] for i in g], [queries[i] for i in g],
+                                                           [past_lens[i] for i in g], [vlens[i] for i in g],
+                                                           drafts, g.start < nd < g.stop)
             accepted[g.start:g.stop] = outs["accepted"]
             next_tok[g.start:g.stop] = outs["next_token"]
             if "aux_hidden" in outs:
@@ -96,20 +96,22 @@ class Verifier:
             target_tokens += tokens
             verified += m
             priced += full
+            switch += synced
         prefill_model = 0.0
         if chunked and self.costs.shape is not None:
             prefill_model = (self.costs.shape.ms(*packed_shape(query_lens[nd:], past_lens[nd:])) if len(groups) > 1
                              else self.costs.prefill_share(query_lens, past_lens, nd))
         return VerifyResult(order, chunked, np.asarray(vlens, dtype=np.int64), accepted, next_tok, query_lens,
                             past_lens, len(groups), ms, target_ms, target_tokens, verified, priced, prefill_model,
-                            aux, getattr(self.kv, "sync_ms", 0.0) - synced)
+                            aux, switch)
 
     def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
               drafts: dict, chunk_among: bool = False):
-        """One target call over these rows; returns (outputs, engine ms, tokens, verified rows, full ms).
-        chunk_among: the call packs a prompt chunk among decode rows (observed every time)."""
+        """One target call over these rows; returns (outputs, engine ms, tokens, verified rows, full ms, ms of it
+        spent syncing a cache copy). chunk_among: the call packs a prompt chunk among decode rows (observed
+        every time)."""
         tv = time.perf_counter()  # the call's full cost: feeds, engine, KV write (a cache copy's sync aside)
-        synced = getattr(self.kv, "sync_ms", 0.0)
+        synced = getattr(self.kv, "sync_ms", 0.0)  # a MirroredKVCache's running total
         slots = [r.slot for r in order]
         feeds = pack_queries(queries, past_lens, slots)
         vl = np.asarray(vlens, dtype=np.int64)
@@ -141,7 +143,8 @@ class Verifier:
         ms = (time.perf_counter() - te) * 1e3
         self.kv.write(present, feeds["positions"], token_slots(feeds))
         tokens = int(feeds["tokens"].shape[0])
-        full = (time.perf_counter() - tv) * 1e3 - (getattr(self.kv, "sync_ms", 0.0) - synced)
+        synced = getattr(self.kv, "sync_ms", 0.0) - synced
+        full = (time.perf_counter() - tv) * 1e3 - synced
         table = self.costs.table
         if table is not None and self.costs.observing:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
@@ -152,7 +155,7 @@ class Verifier:
             # a bench run makes ~100 calls of full width, of which one in cost_observe_every taught the
             # plain and verify offsets too little to tell plain from drafting.
             table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among)
-        return outs, ms, tokens, int(m), full
+        return outs, ms, tokens, int(m), full, synced
 
     def _zero_probs(self, rows: int) -> np.ndarray:
         """A [rows, V] block of zeros, the draft distribution of greedy rows (greedy acceptance never reads
