@@ -197,18 +197,22 @@ def test_an_exploration_that_cost_more_than_charged_is_paid_back_before_the_next
     something else (20 ms over) delays the next exploration by what it overran, and no more."""
     from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 
-    def gaps(overrun: float) -> list[int]:
+    def gaps(overrun: float, confirmed: bool = False) -> list[int]:
         s = ExplorationSchedule(0.1)
         due = []
         for _ in range(60):
             c = s.due(16, 10.0, 5.0)
             if c is not None:
-                s.settle(16, c, c + (overrun if not any(due) else 0.0), False)
+                s.settle(16, c, c + (overrun if not any(due) else 0.0), confirmed)
             due.append(c)
         return np.diff([-1] + [i for i, c in enumerate(due) if c is not None]).tolist()
 
     assert gaps(0.0)[:3] == [5, 5, 5]
     assert gaps(20.0)[:3] == [5, 25, 5]
+    # One that cost less than charged (a profile too dear about drafting) pays for the next look sooner,
+    # unless it confirmed that drafting does not pay: then the saving earns nothing.
+    assert gaps(-4.0)[:2] == [5, 1]
+    assert gaps(-4.0, confirmed=True)[:2] == [5, 10]
 
 
 def test_the_catch_up_rate_is_weighed_by_tokens():

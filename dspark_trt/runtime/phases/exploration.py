@@ -87,10 +87,15 @@ class ExplorationSchedule:
 
     def settle(self, n_decode: int, charged_ms: float, measured_extra_ms: float, confirmed: bool) -> None:
         """An exploration charged charged_ms (its modelled cost, catch-up included) measurably cost
-        measured_extra_ms beyond a plain step: the difference goes to the credit. confirmed: drafting did not
-        pay in the step it ran."""
+        measured_extra_ms beyond a plain step: the difference goes to the credit, a saving only up to zero
+        when confirmed. confirmed: drafting did not pay in the step it ran."""
         load = self._load(n_decode)
         load.credit -= measured_extra_ms - charged_ms
+        if confirmed:
+            # A saving pays for another look only when this one said drafting might pay (a profile too
+            # dear about drafting recovers in a burst); once confirmed, it paid for a second exploration
+            # the very next step (16 requests, a busy machine's profile) that learned nothing new.
+            load.credit = min(load.credit, 0.0)
         load.confirmed += bool(confirmed)
 
     def report(self) -> dict:
