@@ -12,7 +12,8 @@ modelled step time as credit (per load bucket), and an exploration runs once the
 is expected to cost: its modelled extra time (one draft call, one more verified token a request, a
 drafting step's overhead) plus the draft catching up on what it has not seen (the requests' prompts and
 the text generated since it last drafted), at the rate the drafter's catch-up calls measured (the first
-one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit.
+one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit
+(a saving earns credit only where it did not confirm the plan not to draft).
 So exploring costs at most that share of plain steps' time, bar the first catch-up ever timed, and stops
 where even its catch-up cannot fit; credit left over after an exploration is dropped, so savings never
 pay for a burst. The share starts at ``explore_budget`` and falls as 1/(1 + n), n the explorations at the load that
