@@ -194,7 +194,8 @@ def test_an_exploration_is_due_only_once_the_credit_covers_its_catch_up_too():
 
 def test_an_exploration_that_cost_more_than_charged_is_paid_back_before_the_next():
     """What an exploration measurably cost beyond its charge is taken from the credit: one slowed by
-    something else (20 ms over) delays the next exploration by what it overran, and no more."""
+    something else (20 ms over) delays the next exploration by what it overran, and no more; a saving brings
+    the next one forward only where the exploration did not confirm the plan not to draft."""
     from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 
     def gaps(overrun: float, confirmed: bool = False) -> list[int]:

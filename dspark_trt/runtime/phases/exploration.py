@@ -15,8 +15,8 @@ the text generated since it last drafted), at the rate the drafter's catch-up ca
 one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit
 (a saving earns credit only where it did not confirm the plan not to draft).
 So exploring costs at most that share of plain steps' time, bar the first catch-up ever timed, and stops
-where even its catch-up cannot fit; credit left over after an exploration is dropped, so savings never
-pay for a burst. The share starts at ``explore_budget`` and falls as 1/(1 + n), n the explorations at the load that
+where even its catch-up cannot fit; credit saved up beyond an exploration's charge is dropped when it
+runs, so long savings never pay for a burst. The share starts at ``explore_budget`` and falls as 1/(1 + n), n the explorations at the load that
 confirmed the plan not to draft (the step they ran, drafting, emitted fewer tokens per ms than the
 modelled plain step, the draft's catch-up aside), down to a tenth of it, which keeps a machine that
 changes later from going unnoticed for good; one that does not confirm it keeps exploring at the full
