@@ -154,7 +154,7 @@ def test_a_cache_copys_sync_is_a_switch_cost_kept_out_of_what_the_call_is_priced
     seen = []
     costs = Costs(64, K)
     costs.table = SimpleNamespace(observe_verify=lambda tokens, ms: seen.append(ms),
-                                  call_shape=SimpleNamespace(observe=lambda *a: seen.append(a[4])))
+                                  call_shape=SimpleNamespace(observe=lambda *a, **k: seen.append(a[4])))
     costs.observing = True
     verifier = Verifier(Backend(), kv, RuntimeTuning(), (97, 64, 64), costs, Metrics(K))
     rows = [request(0, spec="off"), request(1, spec="off")]

@@ -164,6 +164,13 @@ class RuntimeTuning:
     """Feed one step in this many to the cost tables' drift correction. The correction moves slowly
     anyway; every feed costs a table rebuild."""
 
+    settle_calls: int = 4
+    """Calls after the engine switched graphs that neither the profile times nor the cost model learns from.
+    After running another graph (ONNX Runtime: the packed graph after the decoding graph, the greedy twin
+    after the sampling graph, or back), a graph's first calls are slower: at 16 rows a plain call took
+    1.45x, 1.4x, 1.27x, 1.2x and 1.08x its settled time. Learned from, they priced each kind at what a
+    switch costs (plain decoding at 2-2.5x its price while adaptive drafted). 0: learn from every call."""
+
     plan_every: int = 8
     """Steps a draft-depth plan is reused per batch shape before it is made again."""
 
@@ -179,10 +186,9 @@ class RuntimeTuning:
     explore."""
 
     plain_check_every: int = 8
-    """While the cost model plans drafting, drafting steps per load between plain steps that check what plain
-    decoding costs there (three checks at this period, then twice as far apart each time, to 32x this): a
-    model that prices drafting too cheaply is otherwise never shown wrong. Smaller corrects sooner and costs
-    more where drafting pays; 0: never check."""
+    """While the cost model plans drafting at a load where it never observed plain calls, drafting steps
+    before a stretch of plain steps (settle_calls + 3 of them) shows what plain decoding costs there: a model
+    that prices drafting too cheaply is otherwise never shown wrong. Once per load; 0: never check."""
 
     call_test: bool = True
     """Make a further draft call only if its expected surplus pays for its time at the recent output
@@ -314,7 +320,7 @@ def _check(owner, name: str, value) -> str | None:
         return "must be a number"
     if base in _FRACTIONS:
         return None if 0 < value <= 1 else "must be in (0, 1]"
-    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up", "plain_check_every"):
+    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up", "plain_check_every", "settle_calls"):
         return None if value >= 0 else "must be >= 0"
     if base == "bound_high":
         return None if value >= 1 else "must be >= 1"

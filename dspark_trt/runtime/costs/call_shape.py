@@ -12,40 +12,34 @@ model can, and the runtime uses it to decide when a prompt chunk gets its own ca
 step's verification may go before padding every row to that depth stops paying.
 
 Fit: non-negative least squares over the four features (every subset solved, the best feasible one
-kept: four features make that exact and cheap), from calls of known shape timed by the profiler. Online,
-exponentially weighted log-ratios (observed / predicted) follow the machine's drift: one per call width
-(rows, to the nearest power of two), starting from a global one. The profile's shapes cannot cover every
-width the way a running batch does, and a single factor learned mostly from the many small calls (prompt
-chunks, a few requests) left the widest calls dearer than predicted, a bias that falls unevenly on
-plain and drafting steps. Within a width, plain calls (one query token a row) and verify calls (deeper)
-each get an offset from the width's level once observed: the profile's depth slope at the widest calls
-can be a third too shallow (the tiny pair at 64 rows: verifying 2-3 tokens a row 25-35% dearer than the
-fit, one token 8% cheaper), and a width's single level, learned from the calls a running batch mostly
-makes, then prices the other kind wrong in the direction that keeps it there (adaptive drafted at 64
-requests where plain decoding was 1.2x faster). The depth planner checks plain steps now and then while
-it drafts (phases/plain_check.py), and explores drafting while it does not (exploration.py), so the kind
-it compares against is observed too. Offsets, not levels of their own: a kind seen only now and then is
-measured against the width's level at that time, which the calls around it keep current (the machine's
-speed moved 40% between waves of one run). The kind a width mostly ran among its last 16 calls moves the
-level (net of its offset), the other kind learns its offset against it, and in a tie both happen: in a
-stretch of one kind its calls cannot tell the level from their offset, and when both followed them the
-other kind took the stretch's price (after drafting a while, plain decoding was priced as dear as
-verifying, and adaptive drafted on at 16 requests at 0.88x `off`: plain checks could not move a median of
-16); a rare kind's call that moved the level too handed its own error to the common kind's offset. Two
-kinds, not an offset per depth: offsets learned from a few calls of a rarely run depth made it look cheap,
-and the planner drafted 7 deep at 41 rows for it.
+kept: four features make that exact and cheap), from calls of known shape timed by the profiler. Two
+kinds of call are priced apart: plain calls (one query token a row) and verify calls (deeper). On ONNX
+Runtime they run different graphs (plain calls the decoding graph, 0.65x the fit at 16 rows) and the
+profile's depth slope at the widest calls can be a third too shallow (the tiny pair at 64 rows: verifying
+2-3 tokens a row 25-35% dearer than the fit, one token 8% cheaper). So each kind starts, at each width
+(rows, to the nearest power of two), from the fit's error on the profile's calls of that kind and width
+(its profile offset), and once observed there follows its own calls: an exponentially weighted log ratio
+(observed / predicted) per (width, kind). Where a kind was not observed, it is priced by its profile
+offset plus what its calls at other widths said: never by the other kind's calls. A level shared by both
+kinds, learned from the kind a width mostly ran, priced the other kind by that stretch's errors (a profile
+whose verify slope was flat had adaptive draft 7 deep at 16 requests while plain decoding was priced at
+3x its cost); one kind's calls cannot tell the machine's speed from their own kind's error, and a kind
+priced too cheaply is soon run and observed, one priced too dearly never. Calls soon after the engine
+switched graphs are not learned from (tuning.settle_calls): they cost a switch's price, at 16 rows a plain
+call 1.45x its settled time. Two kinds, not a level per depth: levels learned from a few calls of a rarely
+run depth made it look cheap, and the planner drafted 7 deep at 41 rows for it.
 
-A factor per width corrects the level, never the shape: a profile recorded with a flat verify curve
+A level per width and kind corrects the level, never the shape: a profile recorded with a flat verify curve
 (every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying
 deep at any load (measured at 16 and 64 requests: 0.75x the best fixed K for a whole bench run). So every
 ``refit_every`` observed calls are checked: when, at some width, calls of different query depths (longest
 query, to the nearest power of two) are off the model by levels more than ``refine_margin`` apart (and
 by three standard errors: noise alone set refits off), the depth slope is wrong, and the call and token
-coefficients are refitted to those calls (each divided by its width's drift factor when observed, each
-width's mean log-ratio taken out: the level is the drift's job) together with what the model predicts now
+coefficients are refitted to those calls (each divided by the machine's speed at the time, every call's
+drift, and by its kind's profile offset; each width's mean log-ratio taken out: the level is the drift's job) together with what the model predicts now
 on a grid of shapes, weighing as much as the calls (each refit moves the model about halfway; errors
-relative to the prediction, since calls run from 1 to 50 ms). Each width's drift then moves by what the
-refit changed its calls' level by, and each kind's offset by what it changed that kind's calls by.
+relative to the prediction, since calls run from 1 to 50 ms). Each kind's level at each width then moves
+by what the refit changed its calls by.
 
 The past and padded-attention coefficients stay as the profile measured them. Within a window the past
 grows with time while the machine's speed moves: a refit of the past term read that drift as a cost of
@@ -64,8 +58,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
-from collections import deque
 
 import numpy as np
 
@@ -106,8 +98,7 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class CallShapeCost:
     """ms of one engine call from (tokens, rows, longest query, past length); see the module docstring."""
 
-    STEP = math.log(1.5)  # a call's innovation counts as at most this in a kind's offset
-    RECENT = 16  # a kind's offset: the median of its last RECENT innovations
+    STEP = math.log(4.0)  # a call's innovation counts as at most this
 
     def __init__(self, coef):
         c = np.asarray(coef, dtype=np.float64)
@@ -117,11 +108,17 @@ class CallShapeCost:
         self.coef = c
         self.alpha = DriftTuning.shape_alpha  # EW weight of one observed call (CostTable.tune sets both)
         self.bounds = (math.log(DriftTuning.bound_low), math.log(DriftTuning.bound_high))
-        self.log_drift = 0.0  # global: for call widths not observed yet
-        self.width_drift: dict[int, float] = {}  # per width bucket, round(log2(rows))
-        # per (width bucket, verifies: longest query > 1): [log offset from the width's level, recent innovations]
-        self.kind_offset: dict[tuple[int, bool], list] = {}
-        self._recent_kinds: dict[int, deque] = {}  # per width bucket: the kinds of its last RECENT calls
+        # Log factors over the fit (module docstring), per kind: False plain (one query token a row), True
+        # verifying. profile_offset[(width bucket, kind)]: the fit's error on the profile's calls of that kind
+        # and width (round(log2(rows))); kind_drift[kind]: what that kind's calls at any width said since,
+        # over their profile offset (None until one was observed); level[(width bucket, kind)]: the kind's own
+        # level at the width once observed there. log_drift: every call (the machine's speed, for a kind not
+        # observed yet; what a saved profile keeps).
+        self.profile_offset: dict[tuple[int, bool], float] = {}
+        self.kind_drift: dict[bool, float | None] = {False: None, True: None}
+        self.level: dict[tuple[int, bool], float] = {}
+        self._seen: dict[tuple[int, bool], int] = {}  # settled calls each level learned from
+        self.log_drift = 0.0
         self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
         # The padded-attention coefficient of a prompt chunk among decode rows, learned from such calls (only
@@ -138,24 +135,49 @@ class CallShapeCost:
         a = np.asarray(points, dtype=np.float64)
         if a.ndim != 2 or a.shape[1] != 5 or len(a) < len(FEATURES):
             raise ValueError(f"need at least {len(FEATURES)} call shapes as [tokens, rows, longest, past, ms]")
-        return cls(fit_nonnegative(features(*a[:, :4].T), a[:, 4]))
+        model = cls(fit_nonnegative(features(*a[:, :4].T), a[:, 4]))
+        model._profile_offsets(a)
+        return model
+
+    def _profile_offsets(self, a: np.ndarray) -> None:
+        """Each kind's offset at each width the profile measured, from the fit's errors on its calls: one fit
+        over both kinds cannot price ONNX Runtime's plain calls, which run a faster graph than verify calls
+        (at 16 rows 0.65x the fit, verify calls 1.0-1.1x)."""
+        base = features(*a[:, :4].T) @ self.coef
+        keys = [(load_bucket(int(r)), bool(q > 1)) for r, q in a[:, 1:3]]
+        for key in set(keys):
+            at = [i for i, k in enumerate(keys) if k == key and base[i] > 0]
+            if at:
+                self.profile_offset[key] = float(np.median(np.log(a[at, 4] / base[at])))
+
+    def _offset(self, w: int, verifies: bool) -> float:
+        """The profile's offset of a kind at a width (or at the nearest width it measured)."""
+        measured = [k for k in self.profile_offset if k[1] == verifies]
+        return self.profile_offset[min(measured, key=lambda k: (abs(k[0] - w), k[0]))] if measured else 0.0
+
+    def _prior(self, w: int, verifies: bool) -> float:
+        """A kind's log factor at a width where it was not observed: its profile offset plus what the kind's
+        calls said at other widths (every call's drift until one of its kind was observed)."""
+        drift = self.kind_drift[verifies]
+        return self._offset(w, verifies) + (self.log_drift if drift is None else drift)
 
     def drift(self, rows: int, longest=None):
-        """The log drift factor applied to calls of this many rows; with `longest` (a call's longest query, or
-        an array of them) plus the offset of each call's kind, plain or verifying, once that kind was
-        observed at this width."""
+        """The bounded log factor applied to calls of this many rows whose longest query is `longest` (an int,
+        or an array of them); without it, to plain calls'."""
         w = load_bucket(rows)
-        own = self.width_drift.get(w, self.log_drift)
-        if longest is None:
-            return own
-        if isinstance(longest, (int, float, np.number)):
-            return self._kind_drift(w, own, longest > 1)
-        return np.where(np.asarray(longest) > 1, self._kind_drift(w, own, True), self._kind_drift(w, own, False))
+        if longest is None or isinstance(longest, (int, float, np.number)):
+            return self._kind_drift(w, longest is not None and longest > 1)
+        return np.where(np.asarray(longest) > 1, self._kind_drift(w, True), self._kind_drift(w, False))
 
-    def _kind_drift(self, w: int, own: float, verifies: bool) -> float:
-        """The bounded log drift of one kind of call (plain or verifying) at width bucket w, level `own`."""
-        offset = self.kind_offset.get((w, verifies))
-        return min(max(own + (offset[0] if offset else 0.0), self.bounds[0]), self.bounds[1])
+    def _kind_drift(self, w: int, verifies: bool) -> float:
+        x = self.level.get((w, verifies))
+        if x is None:
+            x = self._prior(w, verifies)
+        return min(max(x, self.bounds[0]), self.bounds[1])
+
+    def observed(self, rows: int, plain: bool) -> bool:
+        """Whether calls of this width and kind were observed (settled ones): priced by their own level."""
+        return (load_bucket(rows), not plain) in self.level
 
     def ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
         """Predicted ms of one call (drift-corrected); chunk: a prompt chunk among decode rows."""
@@ -176,9 +198,12 @@ class CallShapeCost:
         base = (c0 + c2 * rows * past / 100.0) + c1 * tokens + (c3 * rows / 1000.0) * longest * (past + longest)
         return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
 
-    def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False) -> None:
-        """Feed back a measured call: the global drift and its width's follow observed / predicted (bounded).
-        chunk_among_rows: the call packed a prompt chunk with decode rows (the padded attention shows).
+    def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False,
+                settled: bool = True) -> None:
+        """Feed back a measured call: its kind's level at its width follows observed / predicted (bounded).
+        chunk_among_rows: the call packed a prompt chunk with decode rows (the padded attention shows; its
+        level stays the decode calls'). settled: False for a call soon after the engine switched graphs
+        (tuning.settle_calls): it took the switch's price, not its own, and teaches nothing but padding.
         Every call counts towards the next refit. (Refits from one step in cost_observe_every recovered from
         a flat profile in a run or four, not one; refits from every call had wandered the call and token
         coefficients down before they were weighed by the model's prediction and asked for three standard
@@ -186,41 +211,36 @@ class CallShapeCost:
         if not (ms > 0 and math.isfinite(ms)):
             return
         lo, hi = self.bounds
-        w = load_bucket(rows)
-        own = self.width_drift.get(w, self.log_drift)
+        w, kind = load_bucket(rows), longest > 1
+        own = self._kind_drift(w, kind)
         if chunk_among_rows:
+            # Settled or not: such a call always follows plain calls, and padding errors are 3-5x, a switch's 1.1x.
             self._learn_padding(tokens, rows, longest, past, ms / math.exp(own))
+        if not settled:
+            return
         pred = self.base_ms(tokens, rows, longest, past, chunk_among_rows)
         if not pred > 0:
             return
         x = math.log(ms / pred)
-        kind = longest > 1
-        offset, majority, minority = None, True, False  # a chunk among decode rows teaches no kind's offset
         if not chunk_among_rows:
-            offset = self.kind_offset.get((w, kind))
-            if offset is None:
-                offset = self.kind_offset[(w, kind)] = [0.0, deque([0.0], maxlen=self.RECENT)]
-            recent = self._recent_kinds.setdefault(w, deque(maxlen=self.RECENT))
-            recent.append(kind)
-            share = 2 * recent.count(kind) - len(recent)
-            majority, minority = share >= 0, share <= 0  # a tie is both
-        if majority:
-            # The level is the machine's speed at this width: it follows the calls the width mostly makes, net
-            # of their kind's offset (module docstring).
-            self.width_drift[w] = min(max(own + self.alpha * (x - own - (offset[0] if offset else 0.0)), lo), hi)
-        if minority:
-            # A kind's offset: the median of its calls' recent innovations (log ratio over the width's level
-            # before the call, within a factor 1.5), an offset of 0 counting as one until RECENT calls were
-            # seen. A median: plain calls seen only in a check now and then are few, and stalls happen (the
-            # first plain call of a run took 8x its prediction, measured), which a mean carried for a while.
-            offset[1].append(min(max(x - own, -self.STEP), self.STEP))
-            offset[0] = statistics.median(offset[1])
-        self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
+            # A level starts from its prior, which counts as one call, and averages its calls until there are
+            # 1 / alpha of them (a profile 3x off is caught up with within a dozen calls), then follows them
+            # exponentially weighted; one stalled call moves it by at most STEP times that weight.
+            n = self._seen[(w, kind)] = self._seen.get((w, kind), 0) + 1
+            weight = max(self.alpha, 1.0 / (n + 1))
+            self.level[(w, kind)] = min(max(own + weight * min(max(x - own, -self.STEP), self.STEP), lo), hi)
+            drift = self.log_drift if self.kind_drift[kind] is None else self.kind_drift[kind]
+            offset = self._offset(w, kind)
+            self.kind_drift[kind] = drift + self.alpha * min(max(x - offset - drift, -self.STEP), self.STEP)
         if self.refit_every > 0:
-            # in the model's units: what the base should have said, the width's level at the time taken out
-            self._calls.append((tokens, rows, longest, past, ms / math.exp(own)))
-            if len(self._calls) >= self.refit_every:
-                self.refit()
+            # In the model's units: what the base should have said, the machine's speed at the time and the
+            # kind's profile offset taken out (not its level: a refit is for what the levels cannot explain,
+            # such as a flat profile's verify calls dearer with depth, and plain calls cheaper).
+            self._calls.append((tokens, rows, longest, past,
+                                ms / math.exp(self.log_drift + (0.0 if chunk_among_rows else self._offset(w, kind)))))
+        self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
+        if self.refit_every > 0 and len(self._calls) >= self.refit_every:
+            self.refit()
 
     def _learn_padding(self, tokens: int, rows: int, longest: int, past: int, y: float) -> None:
         """A prompt chunk packed among decode rows (every row padded to the chunk) took y ms at its width's
@@ -278,21 +298,20 @@ class CallShapeCost:
         new = x @ coef
         if not (np.isfinite(coef).all() and coef.sum() > 0 and (new > 0).all()):
             return
-        # Each width's drift moves by what the refit changed its calls' level by: the model predicts the
-        # calls it saw, width by width, as before.
+        # Each kind's level at each width, and each kind's drift, moves by what the refit changed its calls by:
+        # the model predicts the calls it saw as before. The profile's offsets stay: the calls were refitted
+        # net of them (observe), so the new slope is what the calls said on top of them.
         change = np.log(new / base)
         lo, hi = self.bounds
-        for w in np.unique(width[keep]):
-            at = width[keep] == w
-            own = self.width_drift.get(int(w), self.log_drift)
-            self.width_drift[int(w)] = min(max(own - float(change[at].mean()), lo), hi)
-            for kind in (False, True):  # and each kind's offset by its own calls' change
-                offset = self.kind_offset.get((int(w), kind))
-                mine = at & ((calls[keep, 2] > 1) == kind)
-                if offset is not None and mine.any():
-                    shift = float(change[mine].mean() - change[at].mean())
-                    offset[1] = deque((v - shift for v in offset[1]), maxlen=self.RECENT)
-                    offset[0] = statistics.median(offset[1])
+        keys = [(int(w), bool(q > 1)) for w, q in zip(width[keep], calls[keep, 2])]
+        for key in set(keys):
+            shift = float(np.mean([c for c, k in zip(change, keys) if k == key]))
+            if key in self.level:
+                self.level[key] = min(max(self.level[key] - shift, lo), hi)
+        for kind in (False, True):
+            mine = [c for c, k in zip(change, keys) if k[1] == kind]
+            if mine and self.kind_drift[kind] is not None:
+                self.kind_drift[kind] -= float(np.mean(mine))
         self.log_drift = min(max(self.log_drift - float(change.mean()), lo), hi)
         self.coef = coef
         self.refits += 1

@@ -14,8 +14,10 @@ from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
 
 # What one measurement spans and which measurements a profile holds; a profile that differs is measured
-# again. "shapes": target calls of varied shape for the call-shape model (call_shape.py).
-TIMING = "call+kv-write;shapes"
+# again. "shapes": target calls of varied shape for the call-shape model (call_shape.py), "settled": each
+# timed after tuning.settle_calls untimed calls of its shape (profiles timed across graph switches priced
+# plain calls 1.45-1.67x their settled time at 16 rows, verify calls 1.1x).
+TIMING = "call+kv-write;shapes-settled"
 # What refits of the call-shape model may move, recorded in a refined profile's meta. Profiles refined
 # before refits kept the past and padding coefficients could carry a padding cost refitted to 0 (prompt
 # chunks then packed among wide decode calls, 1-2.7 s a step); without the mark they are measured again.
@@ -107,13 +109,15 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
                 cache.write(present, feeds["positions"], token_slots(feeds))
             return (time.perf_counter() - s) * 1e3
 
-        def ms(size: int) -> float:
+        def ms(size: int, settle: int = 0) -> float:
             # A call of a millisecond or two is at the mercy of one scheduler hiccup: time cheap calls a
             # few times over and keep their median, so every measurement point weighs ~cheap_ms of work.
             # How many times follows the fastest timing so far, not the first: on a loaded machine the
             # first timing of a 0.3 ms call can be 10x slower (a preempted thread), and judging by it left
             # that point with one or two timings and a median 10x too high.
             feeds, past = make_feeds(rt, size), (cache.past(past_of(size)) if cache is not None else None)
+            for _ in range(settle):
+                once(feeds, past)
             times = [once(feeds, past)]
             while len(times) < min(p.max_inner, math.ceil(p.cheap_ms / max(min(times), 1e-3))):
                 times.append(once(feeds, past))
@@ -142,15 +146,16 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
     # (larger) calls hardest: one such shape, timed at 10x its cost, pulled the whole least-squares fit
     # off (median error 0.7 with two busy processes on two cores; ~0.1 with the low quantile, loaded or
     # not). The runtime's online drift correction (per call width) then follows the machine's real load.
+    # Each timing follows tuning.settle_calls untimed calls of its shape (which also warm a new shape up):
+    # timed right after another shape, a call paid for the switch (ONNX Runtime: another graph, its cache
+    # copy brought up to date, caches cold), at 16 rows a plain call 1.45-1.67x its time in a run.
     rounds = max(p.shape_rounds, repeats - 1)
+    settle = max(1, rt.tuning.settle_calls)
     timings: list[list[float]] = [[] for _ in layouts]
-    with tqdm(total=len(layouts) * (rounds + 1), desc="profiling call shapes", unit="run",
-              disable=not progress) as bar:
-        for rnd in range(rounds + 1):
+    with tqdm(total=len(layouts) * rounds, desc="profiling call shapes", unit="run", disable=not progress) as bar:
+        for _ in range(rounds):
             for i in range(len(layouts)):
-                times = time_shape(i)
-                if rnd:  # round 0 is the warm-up: the first call of a new shape pays allocations
-                    timings[i].extend(times)
+                timings[i].extend(time_shape(i, settle))
                 bar.update(1)
     shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, p.shape_quantile))]
               for (q, past), t in zip(layouts, timings)]
@@ -257,7 +262,7 @@ def disagreement(cost) -> float:
     factors = [f for d in cost.drift().values() for f in d["by_size"].values()]
     moved = 0.0
     if cost.call_shape is not None:  # the call-shape model's drift, per call width it observed, and its refits
-        factors += [math.exp(x) for x in cost.call_shape.width_drift.values()]
+        factors += [math.exp(x) for x in cost.call_shape.level.values()]
         moved = cost.call_shape.moved()
     return max([moved] + [max(f, 1.0 / f) - 1.0 for f in factors if f > 0])
 
@@ -269,6 +274,7 @@ def persist_refined(rt) -> Path | None:
     DriftTuning.refine_margin over at least DriftTuning.refine_observations calls (a profile measured on a
     busy machine, or a machine that changed since). The meta says so: ``refined_observations`` (calls
     learned from, summed over refinements) and ``refined_from`` (the profile's kind and how far apart)."""
+    from dspark_trt.runtime.costs.overhead import load_bucket
     from dspark_trt.runtime.costs.table import CostTable
     from dspark_trt.runtime.tuning import DriftTuning
 
@@ -291,15 +297,18 @@ def persist_refined(rt) -> Path | None:
                                   disagreement=round(apart, 4)))
     points = dict(cost.points)
     shape = cost.call_shape
-    if shape is not None and (shape.width_drift or shape.refits) and points.get("verify_shapes"):
+    if shape is not None and (shape.level or shape.refits) and points.get("verify_shapes"):
         # The call shapes' timings as the model now predicts them (its refits), at one level for all widths
         # (its global drift): the model is fitted again from them at the next load, and that fit is linear
         # in the features, so levels that differ by width came back as coefficients of the terms that grow
         # with the rows. After a temperature-1.0 open loop a saved profile priced padding 8x and tokens at 0,
         # and adaptive then hardly drafted (lab notes, ninth session). Each width's level is learned again.
-        level = math.exp(shape.log_drift)
-        points["verify_shapes"] = [[*row[:4], shape.base_ms(*(int(v) for v in row[:4])) * level]
-                                   for row in points["verify_shapes"]]
+        # Each kind's profile offset at its width goes with its calls (plain and verify calls run different
+        # graphs on ONNX Runtime; the next load starts from these calls' errors), at one level.
+        def saved_ms(tokens, rows, longest, past):
+            offset = shape.profile_offset.get((load_bucket(rows), longest > 1), 0.0)
+            return shape.base_ms(tokens, rows, longest, past) * math.exp(shape.log_drift + offset)
+        points["verify_shapes"] = [[*row[:4], saved_ms(*(int(v) for v in row[:4]))] for row in points["verify_shapes"]]
     try:
         return CostTable(*tables, meta, points=points).save(profile_path(rt.artifact_dir, profile_name(rt)))
     except OSError:

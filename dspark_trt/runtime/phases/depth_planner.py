@@ -52,7 +52,7 @@ class DepthPlanner:
         self.sequential, self.catch_up_ms = sequential, catch_up_ms
         self._cache: dict[tuple[int, int], _CachedPlan] = {}
         self.exploration = ExplorationSchedule(tuning.explore_budget)
-        self.plain_checks = PlainCheckSchedule(tuning.plain_check_every)
+        self.plain_checks = PlainCheckSchedule(tuning.plain_check_every, tuning.settle_calls + 3)
 
     def plan(self, batch, cost) -> DepthPlan:
         if not batch.n_adaptive:
@@ -85,7 +85,8 @@ class DepthPlanner:
                 self._cache.pop(key)
                 return DepthPlan(1, True, cached.explore_ms, cached.plain_ms, charged)
             return DepthPlan(0)
-        if self.plain_checks.due(n_decode):
+        shape = cost.costs.shape
+        if self.plain_checks.due(n_decode, shape is None or shape.observed(n_decode, plain=True)):
             self._cache.pop(key)  # the next plan reads what the check observed
             return DepthPlan(0, checking=True)
         return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))

@@ -1,18 +1,19 @@
-"""Plain checks: a step without drafting now and then while the cost model plans drafting.
+"""Plain checks: a stretch of steps without drafting while the cost model plans drafting at a load where it
+never saw what plain decoding costs.
 
-The mirror of scheduled exploration (exploration.py). A cost model that prices drafting too cheaply next
-to plain decoding (at 64 requests the tiny pair's profile priced verifying 2-3 tokens a row 25-35% under
-what the calls took and one token 8% over) keeps drafting, and then no plain call of that width is ever
-observed to show it wrong: the call-shape model learns the level of the depths it runs, not of the one
-it compares them with. So while the model plans drafting at a load, a plain step runs after every
-``every`` drafting steps there for the first FIRST checks (the offset learns from a median of calls, and
-one is noise), then after twice as many each time, up to ``every`` x 32; its verify call
-gives the call-shape model that width's one-token level (costs/call_shape.py), its overhead the plain
-step's, and the next plan reads them. Where drafting pays 1.4x a check costs about 0.3 of a step, a few a
-run; where the choice is close it costs next to nothing; where plain decoding is faster the plan turns
-to it. The period starts again whenever the model stops drafting at that load.
+The mirror of scheduled exploration (exploration.py). The call-shape model prices plain calls from their
+own calls once it saw some at a width (costs/call_shape.py); before that, from the profile and what other
+calls said. A model that prices plain decoding too dearly there (a profile measured wrong: at 64 requests
+one priced verifying 2-3 tokens a row 25-35% under what the calls took and one token 8% over) keeps
+drafting, and then no plain call of that width is ever observed to show it wrong. So after ``every``
+drafting steps at a load whose plain calls were never observed, ``length`` steps run plain: the first
+``settle_calls`` of them pay for the switch of graphs and teach nothing, the rest price plain decoding
+there, and the next plan reads it. A stretch, not one step: a single plain step after drafting costs a
+switch's price (1.45x at 16 rows), and learned from, plain decoding was priced at that (while adaptive
+drafted at 16 requests, 2-2.5x its cost). Once a load's plain calls were observed it is never checked
+again; it costs a few steps once per load where drafting pays.
 
-Lossless sampling is unaffected: whether a step checks depends only on earlier steps' plans.
+Lossless sampling is unaffected: whether a step checks depends only on earlier steps' plans and calls.
 """
 
 from __future__ import annotations
@@ -23,27 +24,28 @@ __all__ = ["PlainCheckSchedule"]
 
 
 class PlainCheckSchedule:
-    """Call order: ``due(n_decode)`` on each step the model plans drafting (True: run it plain);
+    """Call order: ``due(n_decode, observed)`` on each step the model plans drafting (True: run it plain);
     ``idle(n_decode)`` on each step it plans none."""
 
-    FIRST = 3  # checks at the starting period before it doubles
-    LONGEST = 32  # the period stops doubling at every x LONGEST
+    def __init__(self, every: int, length: int):
+        self.every, self.length = int(every), max(1, int(length))
+        self._loads: dict[int, list[int]] = {}  # load bucket: [drafting steps counted, check steps left]
+        self.checks = 0  # stretches started
 
-    def __init__(self, every: int):
-        self.every = int(every)
-        self._loads: dict[int, list[int]] = {}  # load bucket: [drafting steps since the last check, period, checks]
-        self.checks = 0
-
-    def due(self, n_decode: int) -> bool:
+    def due(self, n_decode: int, observed: bool) -> bool:
+        """observed: the cost model has seen plain calls of this width (settled ones)."""
         if self.every <= 0:
             return False
-        load = self._loads.setdefault(load_bucket(n_decode), [0, self.every, 0])
-        load[0] += 1
-        if load[0] < load[1]:
+        load = self._loads.setdefault(load_bucket(n_decode), [0, 0])
+        if load[1] > 0:
+            load[1] -= 1
+            return True
+        if observed:
             return False
-        load[0], load[2] = 0, load[2] + 1
-        if load[2] >= self.FIRST:
-            load[1] = min(2 * load[1], self.every * self.LONGEST)
+        load[0] += 1
+        if load[0] < self.every:
+            return False
+        load[0], load[1] = 0, self.length - 1
         self.checks += 1
         return True
 

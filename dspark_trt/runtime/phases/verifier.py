@@ -47,6 +47,7 @@ class Verifier:
         self.backend, self.kv, self.tuning, self.costs, self.metrics = backend, kv, tuning, costs, metrics
         self.vocab, self.max_tokens_per_step, self.query_len_max = limits
         self._zeros: np.ndarray | None = None  # see _zero_probs
+        self._graph, self._same = None, 0  # the graph of the last target call, and its calls before in a row
 
     def run(self, batch, drafted, plan) -> VerifyResult | None:
         """The target step; None when nothing was fed (no decode row and no room for a prompt chunk)."""
@@ -141,6 +142,12 @@ class Verifier:
         te = time.perf_counter()
         outs, present = self.backend.run_target(feeds, self.kv.past(max(past_lens)))
         ms = (time.perf_counter() - te) * 1e3
+        # A call within tuning.settle_calls of a switch of graphs (backends that have several say which ran)
+        # takes a switch's price, not its own: the call-shape model does not learn from it.
+        graph = getattr(self.backend, "target_graph", None)
+        self._same = self._same + 1 if graph == self._graph else 0
+        self._graph = graph
+        settled = self._same >= self.tuning.settle_calls
         self.kv.write(present, feeds["positions"], token_slots(feeds))
         tokens = int(feeds["tokens"].shape[0])
         synced = getattr(self.kv, "sync_ms", 0.0) - synced
@@ -154,7 +161,8 @@ class Verifier:
             # Every call, unlike the tables (a feed rebuilds them): a few float operations, and at 64 requests
             # a bench run makes ~100 calls of full width, of which one in cost_observe_every taught the
             # plain and verify offsets too little to tell plain from drafting.
-            table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among)
+            table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among,
+                                     settled=settled)
         return outs, ms, tokens, int(m), full, synced
 
     def _zero_probs(self, rows: int) -> np.ndarray:
