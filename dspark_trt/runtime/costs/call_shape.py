@@ -20,14 +20,16 @@ profile's depth slope at the widest calls can be a third too shallow (the tiny p
 (rows, to the nearest power of two), from the fit's error on the profile's calls of that kind and width
 (its profile offset), and once observed there follows its own calls: an exponentially weighted log ratio
 (observed / predicted) per (width, kind). Where a kind was not observed, it is priced by its profile
-offset plus what its calls at other widths said: never by the other kind's calls. A level shared by both
+offset plus what its calls said over theirs at the nearest width where they were: once one of its calls
+was observed, never by the other kind's calls (before, by every call's drift). A level shared by both
 kinds, learned from the kind a width mostly ran, priced the other kind by that stretch's errors (a profile
 whose verify slope was flat had adaptive draft 7 deep at 16 requests while plain decoding was priced at
 3x its cost); one kind's calls cannot tell the machine's speed from their own kind's error, and a kind
 priced too cheaply is soon run and observed, one priced too dearly never. Calls soon after the engine
-switched graphs are not learned from (tuning.settle_calls): they cost a switch's price, at 16 rows a plain
-call 1.45x its settled time. Two kinds, not a level per depth: levels learned from a few calls of a rarely
-run depth made it look cheap, and the planner drafted 7 deep at 41 rows for it.
+switched graphs are not learned from (tuning.settle_calls): they cost a switch's price, at 16 rows a
+plain call 1.45x its settled time. Two kinds, not a level per depth:
+levels learned from a few calls of a rarely run depth made it look cheap, and the planner drafted 7 deep
+at 41 rows for it.
 
 A level per width and kind corrects the level, never the shape: a profile recorded with a flat verify curve
 (every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying
@@ -110,12 +112,10 @@ class CallShapeCost:
         self.bounds = (math.log(DriftTuning.bound_low), math.log(DriftTuning.bound_high))
         # Log factors over the fit (module docstring), per kind: False plain (one query token a row), True
         # verifying. profile_offset[(width bucket, kind)]: the fit's error on the profile's calls of that kind
-        # and width (round(log2(rows))); kind_drift[kind]: what that kind's calls at any width said since,
-        # over their profile offset (None until one was observed); level[(width bucket, kind)]: the kind's own
-        # level at the width once observed there. log_drift: every call (the machine's speed, for a kind not
-        # observed yet; what a saved profile keeps).
+        # and width (round(log2(rows))); level[(width bucket, kind)]: the kind's own level at the width once
+        # observed there. log_drift: every call (the machine's speed, for a kind not observed yet; what a
+        # saved profile keeps).
         self.profile_offset: dict[tuple[int, bool], float] = {}
-        self.kind_drift: dict[bool, float | None] = {False: None, True: None}
         self.level: dict[tuple[int, bool], float] = {}
         self._seen: dict[tuple[int, bool], int] = {}  # settled calls each level learned from
         self.log_drift = 0.0
@@ -157,9 +157,13 @@ class CallShapeCost:
 
     def _prior(self, w: int, verifies: bool) -> float:
         """A kind's log factor at a width where it was not observed: its profile offset plus what the kind's
-        calls said at other widths (every call's drift until one of its kind was observed)."""
-        drift = self.kind_drift[verifies]
-        return self._offset(w, verifies) + (self.log_drift if drift is None else drift)
+        calls at the nearest width where they were observed said over theirs (every call's drift until one
+        of its kind was observed)."""
+        seen = [k for k in self.level if k[1] == verifies]
+        if not seen:
+            return self._offset(w, verifies) + self.log_drift
+        near = min(seen, key=lambda k: (abs(k[0] - w), k[0]))
+        return self._offset(w, verifies) + self.level[near] - self._offset(*near)
 
     def drift(self, rows: int, longest=None):
         """The bounded log factor applied to calls of this many rows whose longest query is `longest` (an int,
@@ -204,6 +208,8 @@ class CallShapeCost:
         chunk_among_rows: the call packed a prompt chunk with decode rows (the padded attention shows; its
         level stays the decode calls'). settled: False for a call soon after the engine switched graphs
         (tuning.settle_calls): it took the switch's price, not its own, and teaches nothing but padding.
+        (Letting a kind's first call at a width teach all the same, so that an exploration's verify call
+        priced verifying, made cold starts from a flat profile draft more: tau 1.32 against 1.10 at 16.)
         Every call counts towards the next refit. (Refits from one step in cost_observe_every recovered from
         a flat profile in a run or four, not one; refits from every call had wandered the call and token
         coefficients down before they were weighed by the model's prediction and asked for three standard
@@ -229,15 +235,12 @@ class CallShapeCost:
             n = self._seen[(w, kind)] = self._seen.get((w, kind), 0) + 1
             weight = max(self.alpha, 1.0 / (n + 1))
             self.level[(w, kind)] = min(max(own + weight * min(max(x - own, -self.STEP), self.STEP), lo), hi)
-            drift = self.log_drift if self.kind_drift[kind] is None else self.kind_drift[kind]
-            offset = self._offset(w, kind)
-            self.kind_drift[kind] = drift + self.alpha * min(max(x - offset - drift, -self.STEP), self.STEP)
-        if self.refit_every > 0:
-            # In the model's units: what the base should have said, the machine's speed at the time and the
-            # kind's profile offset taken out (not its level: a refit is for what the levels cannot explain,
-            # such as a flat profile's verify calls dearer with depth, and plain calls cheaper).
-            self._calls.append((tokens, rows, longest, past,
-                                ms / math.exp(self.log_drift + (0.0 if chunk_among_rows else self._offset(w, kind)))))
+            if self.refit_every > 0:
+                # In the model's units: what the base should have said, the machine's speed at the time and the
+                # kind's profile offset taken out (not its level: a refit is for what the levels cannot
+                # explain, such as a flat profile's verify calls dearer with depth and plain calls cheaper).
+                # Not a prompt chunk among decode rows: the padded attention that dominates it is not refitted.
+                self._calls.append((tokens, rows, longest, past, ms / math.exp(self.log_drift + self._offset(w, kind))))
         self.log_drift = min(max(self.log_drift + self.alpha * (x - self.log_drift), lo), hi)
         if self.refit_every > 0 and len(self._calls) >= self.refit_every:
             self.refit()
@@ -298,7 +301,7 @@ class CallShapeCost:
         new = x @ coef
         if not (np.isfinite(coef).all() and coef.sum() > 0 and (new > 0).all()):
             return
-        # Each kind's level at each width, and each kind's drift, moves by what the refit changed its calls by:
+        # Each kind's level at each width moves by what the refit changed its calls by:
         # the model predicts the calls it saw as before. The profile's offsets stay: the calls were refitted
         # net of them (observe), so the new slope is what the calls said on top of them.
         change = np.log(new / base)
@@ -308,10 +311,6 @@ class CallShapeCost:
             shift = float(np.mean([c for c, k in zip(change, keys) if k == key]))
             if key in self.level:
                 self.level[key] = min(max(self.level[key] - shift, lo), hi)
-        for kind in (False, True):
-            mine = [c for c, k in zip(change, keys) if k[1] == kind]
-            if mine and self.kind_drift[kind] is not None:
-                self.kind_drift[kind] -= float(np.mean(mine))
         self.log_drift = min(max(self.log_drift - float(change.mean()), lo), hi)
         self.coef = coef
         self.refits += 1
