@@ -239,7 +239,9 @@ def quick_or_full_profile(rt, repeats: int | None = None, progress: bool = True,
     probe = _probe_verify(rt, [1, max_tokens])
     # Priced at the worst case: a point replays until its spread settles, up to profile.max_repeats.
     calls = max(repeats + 1, rt.tuning.profile.max_repeats)
-    full_calls = [(t, calls) for t in measurement_points(max_tokens)] + [(max_tokens // 2, 2 * 16)]
+    # the call shapes: ~2 x 16 calls' worth of mid-size ones per round, each after settle_calls untimed ones
+    full_calls = [(t, calls) for t in measurement_points(max_tokens)] + [
+        (max_tokens // 2, 2 * 16 * (1 + rt.tuning.settle_calls))]
     predicted_s = sum(n * np.interp(t, [1, max_tokens], probe) for t, n in full_calls) / 1e3
     if predicted_s <= budget_s:
         return measure(rt, repeats=repeats, progress=progress)
