@@ -146,7 +146,7 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
     # (larger) calls hardest: one such shape, timed at 10x its cost, pulled the whole least-squares fit
     # off (median error 0.7 with two busy processes on two cores; ~0.1 with the low quantile, loaded or
     # not). The runtime's online drift correction (per call width) then follows the machine's real load.
-    # Each timing follows tuning.settle_calls untimed calls of its shape (which also warm a new shape up):
+    # Each timing follows tuning.settle_calls untimed calls of its shape (at least one: it warms a new shape up):
     # timed right after another shape, a call paid for the switch (ONNX Runtime: another graph, its cache
     # copy brought up to date, caches cold), at 16 rows a plain call 1.45-1.67x its time in a run.
     rounds = max(p.shape_rounds, repeats - 1)
