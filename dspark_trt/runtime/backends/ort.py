@@ -137,8 +137,8 @@ class OrtBackend:
         self._open_greedy_target(Path(artifact_dir), opts)
         self._open_decode(Path(artifact_dir), manifest, flavour, opts)
         self.calls = Counter()  # runs per graph (which graph ran is a fact tests and metrics can read)
-        self.ran = self.target_graph = None  # the graph of the last call, and of the last target call
-        # (the first calls after a switch of graphs are slower: tuning.settle_calls)
+        # The graph the last call ran on (the first calls after a switch of graphs are slower: tuning.settle_calls).
+        self.last_graph = None
 
     def _open_greedy_target(self, artifact_dir: Path, opts) -> None:
         """The target's all-greedy twin (backends/ort_greedy.py), for targets whose weights are inline."""
@@ -238,9 +238,9 @@ class OrtBackend:
         path = path or self.decode.get(graph)
         if path is not None and path.takes(feeds):
             self.calls[f"{graph}.decode"] += 1
-            self.ran = f"{graph}.decode"
+            self.last_graph = f"{graph}.decode"
             return path.run(feeds)
-        self.ran = graph
+        self.last_graph = graph
         return self._run(graph, feeds, past)
 
     def run_draft(self, feeds, past):
@@ -255,6 +255,4 @@ class OrtBackend:
         """The verify/prefill step; calls with no sampling row run the all-greedy twin where there is one."""
         greedy = self.greedy_inputs is not None and not (np.asarray(feeds["temperature"]) > 0).any()
         graph = GREEDY_TARGET if greedy else "target"
-        out = self._run_or_decode(graph, feeds, past, self.decode.get(graph) or self.decode.get("target"))
-        self.target_graph = self.ran
-        return out
+        return self._run_or_decode(graph, feeds, past, self.decode.get(graph) or self.decode.get("target"))

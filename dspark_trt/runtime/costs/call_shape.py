@@ -127,7 +127,9 @@ class CallShapeCost:
         self.padding_raises = 0  # times such a call raised it
         self.refit_every = DriftTuning.shape_refit_every
         self.margin = math.log1p(DriftTuning.refine_margin)  # how far apart two depths' errors must be
-        self._calls: list = []  # since the last refit: (tokens, rows, longest, past, ms / drift factor then)
+        # since the last refit: (tokens, rows, longest, past, ms over the machine's speed then and the kind's
+        # profile offset)
+        self._calls: list = []
 
     @classmethod
     def from_points(cls, points) -> "CallShapeCost":
@@ -150,27 +152,32 @@ class CallShapeCost:
             if at:
                 self.profile_offset[key] = float(np.median(np.log(a[at, 4] / base[at])))
 
+    @staticmethod
+    def _nearest(keys, w: int, verifies: bool):
+        """Of these (width bucket, kind) keys, the one of this kind nearest width w (None: none)."""
+        mine = [k for k in keys if k[1] == verifies]
+        return min(mine, key=lambda k: (abs(k[0] - w), k[0])) if mine else None
+
     def _offset(self, w: int, verifies: bool) -> float:
         """The profile's offset of a kind at a width (or at the nearest width it measured)."""
-        measured = [k for k in self.profile_offset if k[1] == verifies]
-        return self.profile_offset[min(measured, key=lambda k: (abs(k[0] - w), k[0]))] if measured else 0.0
+        near = self._nearest(self.profile_offset, w, verifies)
+        return self.profile_offset[near] if near is not None else 0.0
 
     def _prior(self, w: int, verifies: bool) -> float:
         """A kind's log factor at a width where it was not observed: its profile offset plus what the kind's
         calls at the nearest width where they were observed said over theirs (every call's drift until one
         of its kind was observed)."""
-        seen = [k for k in self.level if k[1] == verifies]
-        if not seen:
+        near = self._nearest(self.level, w, verifies)
+        if near is None:
             return self._offset(w, verifies) + self.log_drift
-        near = min(seen, key=lambda k: (abs(k[0] - w), k[0]))
         return self._offset(w, verifies) + self.level[near] - self._offset(*near)
 
-    def drift(self, rows: int, longest=None):
+    def drift(self, rows: int, longest):
         """The bounded log factor applied to calls of this many rows whose longest query is `longest` (an int,
-        or an array of them); without it, to plain calls'."""
+        or an array of them)."""
         w = load_bucket(rows)
-        if longest is None or isinstance(longest, (int, float, np.number)):
-            return self._kind_drift(w, longest is not None and longest > 1)
+        if isinstance(longest, (int, float, np.number)):
+            return self._kind_drift(w, longest > 1)
         return np.where(np.asarray(longest) > 1, self._kind_drift(w, True), self._kind_drift(w, False))
 
     def _kind_drift(self, w: int, verifies: bool) -> float:
@@ -195,7 +202,7 @@ class CallShapeCost:
 
     def table(self, tokens: np.ndarray, rows: int, longest: np.ndarray, past: int) -> np.ndarray:
         """:meth:`ms` over arrays of token counts and longest queries, both non-decreasing, for one set of rows
-        (drift-corrected); never decreasing either: the plain calls' offset may say a plain call costs more
+        (drift-corrected); never decreasing either: the plain calls' level may say a plain call costs more
         than verifying, which no call does."""
         c0, c1, c2, c3 = self.coef.tolist()  # Python floats: this runs every step, on a few dozen entries
         longest = np.asarray(longest, dtype=np.float64)

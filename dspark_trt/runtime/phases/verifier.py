@@ -144,7 +144,7 @@ class Verifier:
         ms = (time.perf_counter() - te) * 1e3
         # A call within tuning.settle_calls of a switch of graphs (backends that have several say which ran)
         # takes a switch's price, not its own: the call-shape model does not learn from it.
-        graph = getattr(self.backend, "target_graph", None)
+        graph = getattr(self.backend, "last_graph", None)  # this call's: run_target just ran
         self._same = self._same + 1 if graph == self._graph else 0
         self._graph = graph
         settled = self._same >= self.tuning.settle_calls
