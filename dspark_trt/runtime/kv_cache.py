@@ -35,6 +35,11 @@ class KVCache:
         for buf, new in zip(self._flat, present):
             buf[index] = new.reshape(len(index), self._row)
 
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy slot src's first `length` positions to slot dst (the slot compaction in admission.py)."""
+        for buf in (*self.keys, *self.values):
+            buf[:length, dst] = buf[:length, src]
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.keys) * 2

@@ -104,6 +104,10 @@ class Runtime:
         self.drafter_kind = d.get("kind", "classic")
         self.draft_kv = None  # the classic draft's KV cache (a DSpark drafter keeps its own context cache)
         self.drafter = self._make_drafter(make_cache, kv_dtype)
+        drafting = getattr(self.drafter, "drafting", None)
+        draft_caches = [c for c in (self.draft_kv, getattr(drafting, "cache", None)) if c is not None]
+        if hasattr(self.target_kv, "slot_major") and all(hasattr(c, "move") for c in draft_caches):
+            self.admission.move_slot = self._move_slot  # the decoding graph's calls span a range of slots
         self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, self.drafter.sequential,
                                           self.drafter.catch_up_ms)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
@@ -121,6 +125,10 @@ class Runtime:
         # persist_refined); off for runtimes started from a profile that is not the artifact's own.
         self.persist_profile = True
         self._prefault = None  # (thread, stop) mapping the host caches' pages (prefault.py); load() starts it
+
+    def _move_slot(self, r, src: int, dst: int) -> None:
+        self.target_kv.move(src, dst, r.target_len)
+        self.drafter.move_slot(r, src, dst)
 
     def _make_drafter(self, make_cache, kv_dtype):
         """The drafter phase of the artifact's drafter kind (both implement draft / observe / prepare_call)."""

@@ -20,8 +20,9 @@ call's own entries are written by the graph into the copy and by the runtime int
 rows of a call are a range of the copy's slots in order; a slot in that range that is not in the call
 runs as a dummy row whose entry lands past anything its request has written (its last written position
 + 1), where the next real write overwrites it before anything reads it; a call that would need a dummy at
-the end of the context runs the packed graph instead. DSPARK_ORT_DECODE=0 turns this off (comparisons;
-the cache is then kept once).
+the end of the context runs the packed graph instead. Since a dummy row costs what a live one does, the
+runtime keeps the busy slots at the bottom (phases/admission.py moves requests down into the holes
+finished ones leave). DSPARK_ORT_DECODE=0 turns this off (comparisons; the cache is then kept once).
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ class MirroredKVCache(KVCache):
         self.stale_lo = np.full(slots, max_context, dtype=np.int64)  # empty while stale_lo >= stale_hi
         self.stale_hi = np.zeros(slots, dtype=np.int64)
         self.sync_ms = 0.0  # time spent in sync() so far: a switch's cost, which callers keep out of call prices
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        super().move(src, dst, length)
+        for buf in self.slot_major:
+            buf[dst, :, :length] = buf[src, :, :length]
+        self.written_end[dst], self.stale_lo[dst], self.stale_hi[dst] = (
+            self.written_end[src], self.stale_lo[src], self.stale_hi[src])
+        self.written_end[src], self.stale_lo[src], self.stale_hi[src] = 0, self.max_context, 0
 
     def write(self, present, positions, slots) -> None:
         super().write(present, positions, slots)

@@ -44,6 +44,10 @@ class Admission:
         self.tuning, self.costs, self.query_len_max, self.metrics = tuning, costs, query_len_max, metrics
         self.admitted = 0  # prompts admitted since the last step began
         self.arrivals = 0.0  # recent prompts admitted per step (EW), for prefill batching
+        # move_slot(request, src, dst): moves a request's caches to another slot (set by the runtime where the
+        # slots' order costs: ORT's decoding graph); None: requests keep their slot
+        self.move_slot = None
+        self.moves = 0
 
     # -- callers' side (under the lock) ----------------------------------------------------------------
     def check_room(self) -> None:
@@ -87,6 +91,8 @@ class Admission:
                 self.slots[req.slot] = req
                 active += 1
                 self.admitted += 1
+            if self.move_slot is not None:
+                self._compact()
             self.metrics.queue_depth = len(self.waiting)
             running = [r for r in self.slots if r is not None]
         if not running:
@@ -102,6 +108,23 @@ class Admission:
         n_adaptive = sum(r.mode.kind == "adaptive" for r in decode)
         past = max((r.target_len for r in decode), default=0)
         return StepBatch(started, decode, prefill, held, n_adaptive, past)
+
+    def _compact(self) -> None:
+        """Move the requests of the highest slots into free lower ones. ONNX Runtime's decoding graph runs a
+        call over a range of slots (a slot's cache is its batch row), so the holes finished requests leave
+        below the last busy slot cost like live rows: in the open loop at 16 requests/s, plain calls of 8.7
+        rows ran over 20.7 slots (7.8 ms) and of 16.6 rows over 30.4. A move copies a request's cache
+        rows, once, in place of that every step."""
+        slots = self.slots
+        while True:
+            hole = next((i for i, r in enumerate(slots) if r is None), None)
+            top = next((i for i in range(len(slots) - 1, -1, -1) if slots[i] is not None), -1)
+            if hole is None or hole > top:
+                return
+            r = slots[top]
+            self.move_slot(r, top, hole)
+            slots[hole], slots[top], r.slot = r, None, hole
+            self.moves += 1
 
     def hold_prompts(self, prefill: list[Request], decode: list[Request]) -> list[Request]:
         """Prompts not yet started that wait this step to share a later prefill call (prefill_batching.py):

@@ -68,6 +68,10 @@ class Drafter:
         self._timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), fed back after drafting
         self.catch_up_rate = CatchUpRate()
 
+    def move_slot(self, r: Request, src: int, dst: int) -> None:
+        """Request r moves from slot src to dst (admission.py's compaction): its draft cache goes with it."""
+        self.kv.move(src, dst, r.draft_len)
+
     def cap(self, r: Request, depth: int) -> int:
         """Most tokens request r drafts this step."""
         k = r.mode.k if r.mode.kind == "fixed" else min(self.max_draft, depth)

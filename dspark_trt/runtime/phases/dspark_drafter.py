@@ -46,6 +46,15 @@ class DsparkDrafter:
         self.pending_limit = PENDING_BYTES
         self.catch_up_rate = CatchUpRate()
 
+    def move_slot(self, r: Request, src: int, dst: int) -> None:
+        """Request r moves from slot src to dst (admission.py's compaction): its context cache, context length
+        and pending rows go with it."""
+        d = self.drafting
+        d.cache.move(src, dst, int(d.context_len[src]))
+        d.context_len[dst], d.context_len[src] = d.context_len[src], 0
+        if src in self._pending:
+            self._pending[dst] = self._pending.pop(src)
+
     def refusal(self, config, mode) -> str | None:
         """Why a request cannot run (checked at submit), or None: a sampled request that may draft needs
         the sampling graph."""
