@@ -118,6 +118,12 @@ class DsparkDrafting:
     def release(self, slot: int) -> None:
         self.context_len[slot] = 0
 
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's context goes to slot dst (the runtime's slot compaction); src is left empty."""
+        self.cache.move(src, dst, int(self.context_len[src]))
+        self.context_len[dst] = self.context_len[src]
+        self.release(src)
+
     def draft(self, slots, anchors, temperature=None, uniforms=None) -> DsparkDraft:
         """One block pass for the given slots; anchors [R] are the tokens at position context_len[slot].
 

@@ -104,10 +104,8 @@ class Runtime:
         self.drafter_kind = d.get("kind", "classic")
         self.draft_kv = None  # the classic draft's KV cache (a DSpark drafter keeps its own context cache)
         self.drafter = self._make_drafter(make_cache, kv_dtype)
-        drafting = getattr(self.drafter, "drafting", None)
-        draft_caches = [c for c in (self.draft_kv, getattr(drafting, "cache", None)) if c is not None]
-        if hasattr(self.target_kv, "slot_major") and all(hasattr(c, "move") for c in draft_caches):
-            self.admission.move_slot = self._move_slot  # the decoding graph's calls span a range of slots
+        if hasattr(self.target_kv, "slot_major"):  # ORT's decoding graph: its calls span a range of slots
+            self.admission.move_slot = self._move_slot
         self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, self.drafter.sequential,
                                           self.drafter.catch_up_ms)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)

@@ -27,9 +27,8 @@ whose verify slope was flat had adaptive draft 7 deep at 16 requests while plain
 3x its cost); one kind's calls cannot tell the machine's speed from their own kind's error, and a kind
 priced too cheaply is soon run and observed, one priced too dearly never. Calls soon after the engine
 switched graphs are not learned from (tuning.settle_calls): they cost a switch's price, at 16 rows a
-plain call 1.45x its settled time. Two kinds, not a level per depth:
-levels learned from a few calls of a rarely run depth made it look cheap, and the planner drafted 7 deep
-at 41 rows for it.
+plain call 1.45x its settled time. Two kinds, not a level per depth: levels learned from a few calls of a
+rarely run depth made it look cheap, and the planner drafted 7 deep at 41 rows for it.
 
 A level per width and kind corrects the level, never the shape: a profile recorded with a flat verify curve
 (every call as dear as a plain step, so extra verified tokens look free) would keep adaptive verifying

@@ -49,9 +49,7 @@ class DsparkDrafter:
     def move_slot(self, r: Request, src: int, dst: int) -> None:
         """Request r moves from slot src to dst (admission.py's compaction): its context cache, context length
         and pending rows go with it."""
-        d = self.drafting
-        d.cache.move(src, dst, int(d.context_len[src]))
-        d.context_len[dst], d.context_len[src] = d.context_len[src], 0
+        self.drafting.move(src, dst)
         if src in self._pending:
             self._pending[dst] = self._pending.pop(src)
 
