@@ -184,9 +184,11 @@ def manifest_problems(d: dict) -> list[str]:
                 else:
                     if files is not None and ort["file"] not in files:
                         add(f"graphs.{g}.ort.file: {ort['file']!r} is not listed in manifest files (no hash recorded)")
-                    decode = ort.get("decode")  # its decoding graph (ort_flavour.decode_file)
-                    if decode is not None and (not isinstance(decode, str) or (files is not None and decode not in files)):
-                        add(f"graphs.{g}.ort.decode: {decode!r} is not a file listed in manifest files")
+                    # its decoding graph (ort_flavour.decode_file) and the target's all-greedy twins of both
+                    for key in ("decode", "greedy", "decode_greedy"):
+                        f = ort.get(key)
+                        if f is not None and (not isinstance(f, str) or (files is not None and f not in files)):
+                            add(f"graphs.{g}.ort.{key}: {f!r} is not a file listed in manifest files")
                     if ort.get("flavour") not in ORT_GRAPH_FLAVOURS:
                         add(f"graphs.{g}.ort.flavour: {ort.get('flavour')!r}, expected one of "
                             f"{', '.join(ORT_GRAPH_FLAVOURS)}")

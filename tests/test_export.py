@@ -66,7 +66,8 @@ def test_checker_and_manifest(tiny_artifact):
     assert {i["name"] for i in m["graphs"]["target"]["outputs"]} >= {"accepted", "next_token", "present.0.key"}
     assert set(m["files"]) == {"draft.onnx", "draft_greedy.onnx", "target.onnx", "draft.ort.onnx",
                                "draft_greedy.ort.onnx", "target.ort.onnx", "target.decode.ort.onnx",
-                               "draft.decode.ort.onnx", "draft_greedy.decode.ort.onnx", "tokenizer.json"}
+                               "draft.decode.ort.onnx", "draft_greedy.decode.ort.onnx", "tokenizer.json",
+                               "target.greedy.ort.onnx", "target.decode.greedy.ort.onnx"}
     from dspark_trt.exporter.check import check_artifacts
 
     report = check_artifacts(tiny_artifact)

@@ -190,6 +190,8 @@ def test_manifest_records_and_hashes_the_flavour(tiny_artifact, tmp_path):
         entry = dict(m.graphs[graph]["ort"])
         # and its decoding graph (test_ort_decode.py), hashed too
         assert entry.pop("decode") == f"{graph}.decode.ort.onnx" and f"{graph}.decode.ort.onnx" in m.files
+        if graph == "target":  # and the all-greedy twins of both (test_ort_greedy_target.py)
+            assert {entry.pop("greedy"), entry.pop("decode_greedy")} <= set(m.files)
         assert entry == {"file": f"{graph}.ort.onnx", "flavour": "fused"}
         assert entry["file"] in m.files and m.files[entry["file"]]["sha256"]
     assert m.verify_hashes() == []
@@ -254,8 +256,9 @@ def test_dspark_target_flavour_matches_the_standard_graph_aux_outputs_included(d
     for graph, file in (("target", "target_aux.ort.onnx"), ("draft", "dspark_draft.ort.onnx"),
                         ("draft_sample", "dspark_draft_sample.ort.onnx")):
         entry = dict(m.graphs[graph]["ort"])
-        if graph == "target":  # and its decode graph (test_ort_decode.py), hashed too
-            assert m.files[entry.pop("decode")]["sha256"]
+        if graph == "target":  # and its decode graph (test_ort_decode.py) and their greedy twins, hashed too
+            for key in ("decode", "greedy", "decode_greedy"):
+                assert m.files[entry.pop(key)]["sha256"]
         assert entry == {"file": file, "flavour": "fused"}
         assert m.files[file]["sha256"]
     assert "ort" not in m.graphs["dspark_context"] and m.verify_hashes() == []

@@ -81,7 +81,8 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     from dspark_trt.exporter.build_modules import load_steps
     from dspark_trt.exporter.onnx_export import export_draft, export_greedy_draft, export_target
     from dspark_trt.exporter.ort_flavour import (check_flavour, decode_file, export_ort_decode, export_ort_draft_decode,
-                                                 export_ort_graph, ort_file, record_ort_graph)
+                                                 export_ort_graph, ort_file, record_ort_graph,
+                                                 write_greedy_twins)
     from dspark_trt.models.checkpoint import check_same_vocab, torch_dtype
     from dspark_trt.models.confidence_head import has_head
     from dspark_trt.models.config import load_config, sliding_window_problem
@@ -156,6 +157,8 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
                   "target": {"file": "target.onnx", **_io(tmp / "target.onnx")}}
         for g in graphs if with_ort else ():
             record_ort_graph(graphs, g, _io(tmp / ort_file(g)), decode=decode_file(g))
+        if with_ort:
+            written += write_greedy_twins(graphs, tmp)
         manifest = manifest_facts(target_dir, draft_dir, head_dir if head is not None else None, temperatures,
                                   max_draft=max_draft, max_batch=max_batch, max_context=max_context, dtype=dtype,
                                   graphs=graphs)

@@ -134,33 +134,45 @@ class OrtBackend:
             self.outputs[graph] = [o.name for o in sess.get_outputs()]
         self.num_layers = {g: manifest["model" if g == "target" else "draft"]["num_layers"] for g in graphs}
         self.has_greedy_draft = GREEDY_DRAFT_GRAPH in self.sessions
+        target_ort = manifest["graphs"]["target"].get("ort") if flavour == "auto" else None
+        self._twins = target_ort if isinstance(target_ort, dict) else {}  # the exported twins' files, if any
         self._open_greedy_target(Path(artifact_dir), opts)
         self._open_decode(Path(artifact_dir), manifest, flavour, opts)
         self.calls = Counter()  # runs per graph (which graph ran is a fact tests and metrics can read)
         # The graph the last call ran on (the first calls after a switch of graphs are slower: tuning.settle_calls).
         self.last_graph = None
 
-    def _open_greedy_target(self, artifact_dir: Path, opts) -> None:
-        """The target's all-greedy twin (backends/ort_greedy.py), for targets whose weights are inline."""
+    def _twin(self, artifact_dir: Path, path: Path, key: str, opts):
+        """A session over the all-greedy twin of the target graph at `path`: the artifact's file named by
+        graphs.target.ort[key], else derived here (artifacts exported before twins were written); None where
+        there is none."""
         from dspark_trt.runtime.backends import ort_greedy
 
-        self.greedy_inputs = None
-        path = artifact_dir / self.files["target"]
-        if not ort_greedy.wanted() or Path(f"{path}.data").exists():
-            return
+        if not ort_greedy.wanted():
+            return None
+        if self._twins.get(key):
+            return open_session(artifact_dir / self._twins[key], opts)
+        if Path(f"{path}.data").exists():
+            return None
         twin = ort_greedy.greedy_twin_bytes(path)
-        if twin is None:
+        return None if twin is None else _twin_session(twin, path, opts)
+
+    def _open_greedy_target(self, artifact_dir: Path, opts) -> None:
+        """The target's all-greedy twin (backends/ort_greedy.py), for targets whose weights are inline."""
+        self.greedy_inputs = None
+        sess = self._twin(artifact_dir, artifact_dir / self.files["target"], "greedy", opts)
+        if sess is None:
             return
-        sess = self.sessions[GREEDY_TARGET] = _twin_session(twin, path, opts)
+        self.sessions[GREEDY_TARGET] = sess
         self.outputs[GREEDY_TARGET] = [o.name for o in sess.get_outputs()]
         self.num_layers[GREEDY_TARGET] = self.num_layers["target"]
         self.greedy_inputs = {i.name for i in sess.get_inputs()}
 
     def _open_decode(self, artifact_dir: Path, manifest: dict, flavour: str, opts) -> None:
         """The decoding graphs over slot-major caches (backends/ort_decode.py) of the graphs that have one in
-        the artifact, the target's all-greedy twin derived beside its own. A model's decode paths start once
+        the artifact, the target's all-greedy twin beside its own. A model's decode paths start once
         the runtime asks for its cache (target_kv_cache, draft_kv_cache)."""
-        from dspark_trt.runtime.backends import ort_decode, ort_greedy
+        from dspark_trt.runtime.backends import ort_decode
 
         self.decode = {}  # graph -> DecodePath
         self._decode_sessions = {}
@@ -174,9 +186,9 @@ class OrtBackend:
             path = artifact_dir / file
             self._decode_sessions[graph] = open_session(path, opts)
             if graph == "target" and self.greedy_inputs is not None:
-                twin = ort_greedy.greedy_twin_bytes(path)
+                twin = self._twin(artifact_dir, path, "decode_greedy", opts)
                 if twin is not None:
-                    self._decode_sessions[GREEDY_TARGET] = _twin_session(twin, path, opts)
+                    self._decode_sessions[GREEDY_TARGET] = twin
 
     def kv_copies(self, max_context: int) -> dict[str, int]:
         """How many copies of each model's cache its *_kv_cache() keeps at this context (the memory plan

@@ -3,10 +3,12 @@
 The target graph runs both acceptance ops on every verified row and picks per row (temperature <= 0:
 GreedyAccept), so a step whose rows are all greedy still pays SampleAccept's [rows, V] work (softmaxes and
 CDFs over the vocabulary) on a block of zeros. Wrapping the two in an `If` made sampled steps slower on ORT
-(lab notes, issue 20), so the ORT backend instead derives, at load, a twin whose `accepted`/`next_token`
+(lab notes, issue 20), so the ORT backend instead runs a twin whose `accepted`/`next_token`
 come from GreedyAccept alone (the per-row selection, SampleAccept and every input only they read dropped),
-and runs it for calls with no sampling row. It is derived from the hashed graph the manifest names, so the
-manifest stays the only contract; TensorRT engines keep the one graph.
+and runs it for calls with no sampling row. The exporter writes it beside the target's ORT graphs (hashed,
+named in the manifest: exporter/ort_flavour.write_greedy_twins); for artifacts from before that, the backend
+derives it at load from the hashed graph the manifest names (when the onnx package is there). TensorRT
+engines keep the one graph.
 
 The twin holds its own copy of the weights, so it is made only for graphs whose weights are inline (under
 the exporter's 1 GiB external-data threshold); `DSPARK_ORT_GREEDY_TARGET=0` turns it off (comparisons).
@@ -40,8 +42,13 @@ def _subgraph_inputs(node) -> set[str]:
 
 def greedy_twin_bytes(path) -> bytes | None:
     """The serialized twin of the target graph at `path` (None: the graph has no twin). A small graph's is
-    kept and reused while the file is unchanged (tests and benches load the same artifact many times)."""
-    import onnx
+    kept and reused while the file is unchanged (tests and benches load the same artifact many times).
+    None too without the onnx package (a runtime-only install): artifacts exported since the twins are
+    written beside their graphs (exporter/ort_flavour.write_greedy_twins) never come here."""
+    try:
+        import onnx
+    except ImportError:
+        return None
 
     st = os.stat(path)
     key = (str(path), st.st_size, st.st_mtime_ns)
