@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from dspark_trt.runtime.backends.ort import GREEDY_TARGET, graph_file
-from dspark_trt.runtime.backends.ort_greedy import greedy_twin
+from dspark_trt.exporter.greedy_twin import greedy_twin
 
 PROMPTS = ["def fib(n):", "import os\n", "class Foo:"]
 
@@ -118,7 +118,7 @@ def test_a_runtime_only_install_loads_without_the_onnx_package(tiny_artifact, tm
 def test_no_twin_for_weights_kept_beside_the_graph(tiny_artifact, tmp_path):
     """Weights in <graph>.onnx.data (large targets): the twin would be a second copy of them, so the exporter
     writes none and the backend derives none."""
-    from dspark_trt.exporter.ort_flavour import write_greedy_twins
+    from dspark_trt.exporter.greedy_twin import write_greedy_twins
     from dspark_trt.runtime.backends.ort import OrtBackend
 
     art, m = _without_exported_twins(tiny_artifact, tmp_path)

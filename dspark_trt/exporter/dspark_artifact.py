@@ -34,8 +34,8 @@ def export_dspark_artifact(target_dir, draft_dir, out_dir, *, max_batch: int = 8
     from dspark_trt.exporter.dspark_export import (CONTEXT_FILE, DECODE_FILE, DRAFT_FILE, SAMPLE_FILE, TARGET_FILE,
                                                    export_dspark, export_target_with_aux)
     from dspark_trt.exporter.export import _io, plan_dims
-    from dspark_trt.exporter.ort_flavour import (check_flavour, export_ort_decode, ort_file, record_ort_graph,
-                                                 write_greedy_twins)
+    from dspark_trt.exporter.greedy_twin import write_greedy_twins
+    from dspark_trt.exporter.ort_flavour import check_flavour, export_ort_decode, ort_file, record_ort_graph
     from dspark_trt.exporter.tokenizer_files import tokenizer_facts
     from dspark_trt.exporter.external_data import use_external
     from dspark_trt.manifest import Manifest

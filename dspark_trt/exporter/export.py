@@ -81,8 +81,8 @@ def export_artifacts(target_dir, draft_dir, out_dir, head_dir=None, max_draft: i
     from dspark_trt.exporter.build_modules import load_steps
     from dspark_trt.exporter.onnx_export import export_draft, export_greedy_draft, export_target
     from dspark_trt.exporter.ort_flavour import (check_flavour, decode_file, export_ort_decode, export_ort_draft_decode,
-                                                 export_ort_graph, ort_file, record_ort_graph,
-                                                 write_greedy_twins)
+                                                 export_ort_graph, ort_file, record_ort_graph)
+    from dspark_trt.exporter.greedy_twin import write_greedy_twins
     from dspark_trt.models.checkpoint import check_same_vocab, torch_dtype
     from dspark_trt.models.confidence_head import has_head
     from dspark_trt.models.config import load_config, sliding_window_problem

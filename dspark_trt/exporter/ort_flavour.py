@@ -10,10 +10,7 @@ exporter/graphs.TargetDecodeStep, runtime/backends/ort_decode.py), and so have t
 (`draft.decode.ort.onnx`, `draft_greedy.decode.ort.onnx`; DraftDecodeStep): their own I/O, fixed by the code
 that runs them.
 
-The target's flavour and its decoding graph also get their all-greedy twins (`target.greedy.ort.onnx`,
-`target.decode.greedy.ort.onnx`; graphs.target.ort.greedy and .decode_greedy; runtime/backends/ort_greedy.py)
-when their weights are inline: written here, the runtime opens them as they are, without the onnx package
-(a runtime-only install has none) and without deriving them at every load (0.85 s of a 1.45 s load).
+The target's flavour and its decoding graph also get their all-greedy twins (exporter/greedy_twin.py).
 """
 
 from __future__ import annotations
@@ -93,35 +90,6 @@ def record_ort_graph(graphs: dict, graph: str, io: dict, flavour: str = "fused",
     graphs[graph]["ort"] = {"file": file or ort_file(graph), "flavour": flavour}
     if decode is not None:
         graphs[graph]["ort"]["decode"] = decode
-
-
-def greedy_twin_file(file: str) -> str:
-    """`target.ort.onnx` -> `target.greedy.ort.onnx` (and the decoding graph's alike)."""
-    return f"{file.removesuffix('.ort.onnx')}.greedy.ort.onnx"
-
-
-def write_greedy_twins(graphs: dict, out_dir: Path) -> list[str]:
-    """Write the all-greedy twins of the target's ORT flavour and of its decoding graph (those whose weights
-    are inline: a twin holds its own copy) into out_dir and name them in graphs["target"]["ort"] as "greedy"
-    and "decode_greedy"; returns the files written."""
-    import onnx
-
-    from dspark_trt.runtime.backends.ort_greedy import greedy_twin
-
-    spec = graphs["target"].get("ort")
-    written = []
-    for key, twin_key in (("file", "greedy"), ("decode", "decode_greedy")):
-        file = spec.get(key) if spec else None
-        if file is None or (Path(out_dir) / f"{file}.data").exists():
-            continue
-        twin = greedy_twin(onnx.load(str(Path(out_dir) / file)))
-        if twin is None:
-            continue
-        name = greedy_twin_file(file)
-        onnx.save(twin, str(Path(out_dir) / name))
-        spec[twin_key] = name
-        written.append(name)
-    return written
 
 
 def check_flavour(flavour: str) -> None:
