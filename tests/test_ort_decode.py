@@ -62,7 +62,9 @@ def _session(path: str):
 
 def _packed_call(art, m, cache, queries, past_lens, slots, temps, drafts=None, seed=0):
     """One target call on the packed ORT graph over the cache's host layout, every row scoring its last
-    len(drafts[r]) + 1 tokens: (outputs, new entries, feeds)."""
+    len(drafts[r]) + 1 tokens: (outputs, new entries, feeds). Decode calls' entries reach the host cache first,
+    as the backend brings them before it runs the packed graph."""
+    cache.sync_host(np.asarray(slots, np.int64), np.asarray(past_lens, np.int64))
     rng = np.random.default_rng(seed)
     sess = _session(str(art / m["graphs"]["target"]["ort"]["file"]))
     feeds = pack_queries(queries, list(past_lens), list(slots))
@@ -106,7 +108,8 @@ def _decode_path(art, m, slots, graph="target"):
 
 def _packed_draft_call(art, m, graph, cache, queries, past_lens, slots, temps, seed=0):
     """One call of the draft's packed ORT graph `graph` over the cache's host layout: (outputs, new entries,
-    feeds)."""
+    feeds); decode calls' entries reach the host cache first, as in _packed_call."""
+    cache.sync_host(np.asarray(slots, np.int64), np.asarray(past_lens, np.int64))
     rng = np.random.default_rng(seed)
     sess = _session(str(art / m["graphs"][graph]["ort"]["file"]))
     feeds = pack_queries(queries, list(past_lens), list(slots))
@@ -174,6 +177,8 @@ def test_decode_graph_matches_the_packed_graph_and_leaves_other_slots_alone(tiny
     assert (outs["next_token"] == packed["next_token"]).all() and (outs["accepted"] == 0).all()
     assert max(float(np.abs(a - b).max()) for a, b in zip(present, new)) <= 1e-4
     cache.write(present, positions, call_slots)
+    assert not any(buf[positions, call_slots].any() for buf in cache.keys)  # in the copy only, until
+    cache.sync_host(call_slots, positions + 1)  # a packed call reads these slots
     for buf, entry in zip([b for kv in zip(cache.keys, cache.values) for b in kv], present):
         assert np.array_equal(buf[positions, call_slots], entry)
     assert all(np.array_equal(buf[:, 1], before) for buf, before in zip(cache.keys + cache.values, host_before))
@@ -184,7 +189,7 @@ def test_the_copy_follows_the_host_cache_through_drafts_rollbacks_and_dummy_rows
     """Random steps on four slots: packed calls writing prompts and drafts (some rejected, so later writes go
     back over them) and decode calls over random subsets (live slots left out run as dummy rows). Every
     decode call gives the packed graph's tokens and entries; a slot no decode call read was never copied,
-    and a sync of the others leaves their copies equal to the host cache up to their lengths."""
+    and syncing the others both ways leaves their copies equal to the host cache up to their lengths."""
     m = json.loads((tiny_artifact / "manifest.json").read_text())
     path, cache = _decode_path(tiny_artifact, m, m["limits"]["max_batch"])
     rng = np.random.default_rng(7)
@@ -211,7 +216,9 @@ def test_the_copy_follows_the_host_cache_through_drafts_rollbacks_and_dummy_rows
         for s_ in call:
             length[s_] += 1
     assert not any(c[4].any() for c in cache.slot_major)  # never read by a decode call: never copied
-    cache.sync(np.arange(4), np.array([length[s] for s in range(4)]))  # what the next decode call would do
+    lengths = np.array([length[s] for s in range(4)])
+    cache.sync(np.arange(4), lengths)  # what the next decode call would do
+    cache.sync_host(np.arange(4), lengths)  # and the next packed one
     host = [b for kv in zip(cache.keys, cache.values) for b in kv]
     for s_ in range(4):
         for h, c in zip(host, cache.slot_major):
@@ -376,6 +383,35 @@ def test_a_sync_copies_only_what_was_written_since_the_last(tiny_artifact):
     for c, b, e in zip(cache.slot_major, before, entries):
         changed = np.flatnonzero((c[0] != b).any(axis=(0, 2)))
         assert set(changed) <= set(range(32, 40)) and np.array_equal(c[0, :, 32:40], e.transpose(1, 0, 2))
+
+
+def test_decode_entries_reach_the_host_cache_when_a_packed_call_reads_their_slot(tiny_artifact):
+    """A decode call's entries stay in the copy (writing them to the host cache after every call was 3% of a
+    one-request step); a packed call's sync_host copies them below the slot's length, and drops the rest (a
+    rejected draft, written over before it is read), so a later packed write there is never overwritten."""
+    from dspark_trt.runtime.backends.ort_decode import DecodeEntries
+
+    m = json.loads((tiny_artifact / "manifest.json").read_text())
+    _, cache = _decode_path(tiny_artifact, m, 4)
+    rng = np.random.default_rng(3)
+    _fill(cache, m, {1: 20}, rng)
+    cache.sync(np.array([1]), np.array([20]))  # the decode call brings the copy up to date first
+    for c in cache.slot_major:  # what a decode call verifying 5 tokens at positions 20-24 of slot 1 wrote
+        c[1, :, 20:25] = rng.standard_normal(c[1, :, 20:25].shape)
+    cache.write(DecodeEntries(cache.slot_major, np.ones(5, np.int64), np.arange(20, 25)), np.arange(20, 25),
+                np.ones(5, np.int64))
+    assert (cache.host_lo[1], cache.host_hi[1], cache.written_end[1]) == (20, 25, 25)
+    assert not cache.keys[0][20:25, 1].any()
+    cache.sync_host(np.array([1]), np.array([23]))  # two drafts rejected: the request holds 23 positions
+    host = [b for kv in zip(cache.keys, cache.values) for b in kv]
+    for h, c in zip(host, cache.slot_major):
+        assert np.array_equal(h[20:23, 1], c[1, :, 20:23].transpose(1, 0, 2)) and not h[23:25, 1].any()
+    assert (cache.host_lo[1], cache.host_hi[1]) == (cache.max_context, 0)
+    new = [np.ones((2, m["model"]["num_kv_heads"], m["model"]["head_dim"]), np.float32) for _ in cache.slot_major]
+    cache.write(new, np.arange(23, 25), np.ones(2, np.int64))  # the packed call's own entries
+    cache.sync_host(np.array([1]), np.array([25]))
+    assert all((h[23:25, 1] == 1).all() for h in host)
+    assert (cache.stale_lo[1], cache.stale_hi[1]) == (23, 25)  # and the copy is stale there now
 
 
 def test_a_dspark_artifact_decodes_on_the_decode_graph_with_its_capture_points(tmp_path_factory, monkeypatch):

@@ -253,6 +253,9 @@ class OrtBackend:
             self.last_graph = f"{graph}.decode"
             return path.run(feeds)
         self.last_graph = graph
+        if path is not None:  # the packed graph reads the host cache: decode calls' entries go there first
+            path.cache.sync_host(np.asarray(feeds["slot_ids"], dtype=np.int64),
+                                 np.asarray(feeds["past_lens"], dtype=np.int64))
         return self._run(graph, feeds, past)
 
     def run_draft(self, feeds, past):

@@ -15,8 +15,9 @@ slower (each drafting step's first call, ragged, runs the packed graph, so the n
 target's packed calls ran 4% slower beside the draft's copy), so those stay on the packed graph.
 
 So a model's cache is kept twice (MirroredKVCache): the host cache every other call reads and writes,
-and the slot-major copy, brought up to date from it just before a decode call reads a slot (a decode
-call's own entries are written by the graph into the copy and by the runtime into the host cache). The
+and the slot-major copy, brought up to date from it just before a decode call reads a slot; a decode
+call's own entries are written by the graph into the copy, and into the host cache just before a packed
+call reads their slot. The
 rows of a call are a range of the copy's slots in order; a slot in that range that is not in the call
 runs as a dummy row whose entry lands past anything its request has written (its last written position
 + 1), where the next real write overwrites it before anything reads it; a call that would need a dummy at
@@ -42,21 +43,36 @@ def wanted() -> bool:
     return os.environ.get("DSPARK_ORT_DECODE", "1") != "0"
 
 
-class DecodeEntries(list):
-    """The new entries of a decode-graph call: already in the slot-major copy (the graph wrote them)."""
+class DecodeEntries:
+    """The new entries of a decode-graph call: already in the slot-major copy (the graph wrote them), which
+    the host cache takes from there when a packed call next reads their slot (MirroredKVCache.sync_host).
+    Iterating gathers them ([N, KVH, D] per cache, interleaved like `present`): tests compare them."""
+
+    def __init__(self, slot_major, slots, positions):
+        self.slot_major, self.slots, self.positions = slot_major, slots, positions
+
+    def __iter__(self):
+        return (buf[self.slots, :, self.positions] for buf in self.slot_major)
+
+    def __len__(self) -> int:
+        return len(self.slot_major)
 
 
 class MirroredKVCache(KVCache):
     """The host cache plus its slot-major copy (`slot_major`, interleaved like `present`, each
-    [slots, kv_heads, max_context, head_dim]), brought up to date lazily: a write goes to the host cache and
-    widens the slot's stale span [stale_lo, stale_hi) over the positions it wrote, and sync() copies a
-    slot's stale span below its length just before a decode call reads it. So steps that only verify
-    drafts (fixed K at 16-64 requests) write one cache, as without the copy, and a request that decodes
-    plainly after drafting pays for its drafted entries once: a switch's cost (`sync_ms`), which the
-    runtime keeps out of what it learns a call costs (a plain check after drafting at 16 requests synced
-    2-4 ms of entries and taught the cost model plain calls twice their price). Positions at or past a request's length are
-    never read before they are written again, so a sync leaves nothing stale. `written_end`: each slot's
-    last written position + 1 (where a dummy row may write)."""
+    [slots, kv_heads, max_context, head_dim]), each brought up to date from the other lazily. A packed call's
+    write goes to the host cache and widens the slot's stale span [stale_lo, stale_hi) over the positions it
+    wrote, and sync() copies a slot's stale span below its length just before a decode call reads it. So
+    steps that only verify drafts (fixed K at 16-64 requests) write one cache, as without the copy, and a
+    request that decodes plainly after drafting pays for its drafted entries once: a switch's cost
+    (`sync_ms`), which the runtime keeps out of what it learns a call costs (a plain check after drafting at
+    16 requests synced 2-4 ms of entries and taught the cost model plain calls twice their price). The other
+    way alike: a decode call's entries stay in the copy, widening the slot's host span [host_lo, host_hi),
+    and sync_host() copies it below the slot's length just before a packed call reads the slot (gathering
+    and writing them to the host cache after every decode call was 31 us a call, 3% of a one-request step).
+    Every call brings its slots up to date before it runs, so a slot is stale one way at most. Positions at
+    or past a request's length are never read before they are written again, so a sync leaves nothing
+    stale. `written_end`: each slot's last written position + 1 (where a dummy row may write)."""
 
     def __init__(self, num_layers: int, max_context: int, slots: int, kv_heads: int, head_dim: int,
                  dtype=np.float32):
@@ -67,31 +83,41 @@ class MirroredKVCache(KVCache):
         self._host_rows = [f.reshape(-1, head_dim) for f in self._flat]  # (position, slot, head) rows
         self.kv_heads = kv_heads
         self.written_end = np.zeros(slots, dtype=np.int64)
-        self.stale_lo = np.full(slots, max_context, dtype=np.int64)  # empty while stale_lo >= stale_hi
+        self.stale_lo = np.full(slots, max_context, dtype=np.int64)  # the copy's: empty while stale_lo >= stale_hi
         self.stale_hi = np.zeros(slots, dtype=np.int64)
-        self.sync_ms = 0.0  # time spent in sync() so far: a switch's cost, which callers keep out of call prices
+        self.host_lo = np.full(slots, max_context, dtype=np.int64)  # the host cache's, alike
+        self.host_hi = np.zeros(slots, dtype=np.int64)
+        self.sync_ms = 0.0  # time spent in both syncs so far: a switch's cost, which callers keep out of call prices
 
     def move(self, src: int, dst: int, length: int) -> None:
         super().move(src, dst, length)
         for buf in self.slot_major:
             buf[dst, :, :length] = buf[src, :, :length]
-        self.written_end[dst], self.stale_lo[dst], self.stale_hi[dst] = (
-            self.written_end[src], self.stale_lo[src], self.stale_hi[src])
-        self.written_end[src], self.stale_lo[src], self.stale_hi[src] = 0, self.max_context, 0
+        for a, empty in ((self.written_end, 0), (self.stale_lo, self.max_context), (self.stale_hi, 0),
+                         (self.host_lo, self.max_context), (self.host_hi, 0)):
+            a[dst], a[src] = a[src], empty
 
     def write(self, present, positions, slots) -> None:
-        super().write(present, positions, slots)
         positions = np.asarray(positions, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         self.written_end[slots] = positions + 1  # packed rows ascend within a slot: the last one wins
-        if not isinstance(present, DecodeEntries):  # a decode call's entries are in the copy already
-            np.minimum.at(self.stale_lo, slots, positions)
-            np.maximum.at(self.stale_hi, slots, positions + 1)
+        lo, hi = (self.host_lo, self.host_hi) if isinstance(present, DecodeEntries) else (self.stale_lo, self.stale_hi)
+        if lo is self.stale_lo:
+            super().write(present, positions, slots)
+        np.minimum.at(lo, slots, positions)
+        np.maximum.at(hi, slots, positions + 1)
 
     def sync(self, slots: np.ndarray, lengths: np.ndarray) -> None:
         """Bring the copy's rows of these slots up to date over their first `lengths` positions."""
-        start, end = self.stale_lo[slots], np.minimum(self.stale_hi[slots], lengths)
-        self.stale_lo[slots], self.stale_hi[slots] = self.max_context, 0
+        self._sync(slots, lengths, self.stale_lo, self.stale_hi, to_host=False)
+
+    def sync_host(self, slots: np.ndarray, lengths: np.ndarray) -> None:
+        """Bring the host cache's rows of these slots up to date over their first `lengths` positions."""
+        self._sync(slots, lengths, self.host_lo, self.host_hi, to_host=True)
+
+    def _sync(self, slots, lengths, lo, hi, to_host: bool) -> None:
+        start, end = lo[slots], np.minimum(hi[slots], lengths)
+        lo[slots], hi[slots] = self.max_context, 0
         stale = start < end
         if not stale.any():
             return
@@ -102,8 +128,11 @@ class MirroredKVCache(KVCache):
         heads = np.arange(self.kv_heads)
         host = ((pos * self.slots + slot_of)[:, None] * self.kv_heads + heads).ravel()
         copy = ((slot_of[:, None] * self.kv_heads + heads) * self.max_context + pos[:, None]).ravel()
-        for dst, src in zip(self._sm_flat, self._host_rows):
-            dst[copy] = src[host]
+        for sm, rows in zip(self._sm_flat, self._host_rows):
+            if to_host:
+                rows[host] = sm[copy]
+            else:
+                sm[copy] = rows[host]
         self.sync_ms += (time.perf_counter() - t) * 1e3
 
     @property
@@ -203,5 +232,4 @@ class DecodePath:
         if rows != len(slots):  # one token a row: the call's rows out of the range's
             outs = {name: v[slots - lo] for name, v in outs.items()}
         token_slots = np.repeat(slots, len(feeds["tokens"]) // len(slots))
-        present = DecodeEntries(buf[token_slots, :, feeds["positions"]] for buf in self.cache.slot_major)
-        return outs, present
+        return outs, DecodeEntries(self.cache.slot_major, token_slots, feeds["positions"])
