@@ -316,9 +316,13 @@ def test_runtime_decodes_on_the_decode_graph_with_identical_outputs(tiny_artifac
 
 
 def test_sampled_tokens_are_the_packed_graphs_draw_for_draw(tiny_artifact, monkeypatch):
-    on, calls, _ = _generate(tiny_artifact, monkeypatch, "1", temperature=0.9, spec_modes=("off", "adaptive"))
+    """Plain decoding and fixed K: adaptive's budget reads the step overheads it measures, so which drafts it
+    verifies (and so which draws a sampled request uses) follows the machine's timing, not the graph; its
+    sampling is checked in distribution (test_sampling_lossless.py)."""
+    modes = ("off", "fixed:2")
+    on, calls, _ = _generate(tiny_artifact, monkeypatch, "1", temperature=0.9, spec_modes=modes)
     assert calls.get("target.decode", 0) > 0
-    off, _, _ = _generate(tiny_artifact, monkeypatch, "0", temperature=0.9, spec_modes=("off", "adaptive"))
+    off, _, _ = _generate(tiny_artifact, monkeypatch, "0", temperature=0.9, spec_modes=modes)
     assert on == off
 
 

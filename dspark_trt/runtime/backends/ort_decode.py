@@ -101,9 +101,11 @@ class MirroredKVCache(KVCache):
         positions = np.asarray(positions, dtype=np.int64)
         slots = np.asarray(slots, dtype=np.int64)
         self.written_end[slots] = positions + 1  # packed rows ascend within a slot: the last one wins
-        lo, hi = (self.host_lo, self.host_hi) if isinstance(present, DecodeEntries) else (self.stale_lo, self.stale_hi)
-        if lo is self.stale_lo:
+        if isinstance(present, DecodeEntries):  # in the copy already: the host cache takes them at sync_host
+            lo, hi = self.host_lo, self.host_hi
+        else:
             super().write(present, positions, slots)
+            lo, hi = self.stale_lo, self.stale_hi
         np.minimum.at(lo, slots, positions)
         np.maximum.at(hi, slots, positions + 1)
 
