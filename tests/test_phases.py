@@ -120,6 +120,23 @@ def test_while_prompts_join_the_batch_starting_to_draft_pays_its_whole_catch_up_
     caught_up = depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 0), lambda: 0.0, joining=True)
     assert caught_up.steps > 0  # rows already drafting go on drafting while prompts join
 
+def test_a_plan_met_again_after_other_shapes_is_made_afresh_with_the_catch_up_it_now_needs():
+    """A plan lives for the next plan_every steps, not for plan_every uses: one made at a run's tail while
+    the draft was caught up, used once, was met again at the next run's tail, where the last two rows
+    then caught up their whole texts (90 ms) to draft a few tokens."""
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))
+    tuning = replace(RuntimeTuning(), plain_check_every=0, explore_budget=0.0)
+    behind = [0.0]
+    planner = DepthPlanner(K, tuning, AdaptiveController())
+    assert planner.plan_for(2, 2, costs.for_step(2, 0), lambda: behind[0]).steps > 0
+    for _ in range(tuning.plan_every):
+        planner.plan_for(16, 16, costs.for_step(16, 0), lambda: 0.0)
+    behind[0] = 100.0 * tuning.plan_every
+    assert planner.plan_for(2, 2, costs.for_step(2, 0), lambda: behind[0]).steps == 0
+    assert planner.plan_for(2, 2, costs.for_step(2, 0), lambda: 0.0).steps == 0  # within its steps: reused
+
+
 
 def test_the_planner_reads_joining_prompts_off_the_batch():
     costs = Costs(64, K)

@@ -36,7 +36,7 @@ class _CachedPlan(NamedTuple):
     """A cached draft-depth plan of one batch shape."""
 
     depth: int  # best draft depth by the cost model
-    steps_left: int  # steps it is used for before it is made again
+    until: int  # the planner's step count at which it is made again
     plain_ms: float  # modelled ms of a step without drafting
     explore_ms: float  # modelled extra ms of an exploring step (one draft call, verify one more token a row)
 
@@ -50,7 +50,8 @@ class DepthPlanner:
         before their draft call); None: nothing."""
         self.max_draft, self.tuning, self.controller = max_draft, tuning, controller
         self.sequential, self.catch_up_ms = sequential, catch_up_ms
-        self._cache: dict[tuple[int, int], _CachedPlan] = {}
+        self._cache: dict[tuple[int, int, bool], _CachedPlan] = {}
+        self._steps = 0  # plans made so far: a cached plan lives for the next plan_every steps, not uses
         self.exploration = ExplorationSchedule(tuning.explore_budget)
         self.plain_checks = PlainCheckSchedule(tuning.plain_check_every, tuning.settle_calls + 3)
 
@@ -69,13 +70,17 @@ class DepthPlanner:
         joining: prompts are being fed or held, so more rows decode within a step or two."""
         if cost.table is None:
             return DepthPlan(self.max_draft)
+        self._steps += 1
         key = (n_adaptive, n_decode, joining)
         cached = self._cache.get(key)
-        if cached is None or cached.steps_left <= 0:
+        # By steps, not uses: a plan made when the draft was caught up, used once and met again at the next
+        # run's tail, had the last two rows catch up ~900 tokens (90 ms) to draft a few tokens.
+        if cached is None or self._steps >= cached.until:
             behind = catch_up() if catch_up is not None else 0.0
-            cached = self._best(n_adaptive, n_decode, cost, behind, 1 if joining else self.tuning.plan_every)
+            horizon = 1 if joining else self.tuning.plan_every
+            cached = self._best(n_adaptive, n_decode, cost, behind, horizon)._replace(until=self._steps + horizon)
+            self._cache[key] = cached
         best = cached.depth
-        self._cache[key] = cached._replace(steps_left=cached.steps_left - 1)
         if best == 0:
             self.plain_checks.idle(n_decode)
             # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
@@ -111,4 +116,4 @@ class DepthPlanner:
         depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
         plain_ms = plain + float(verify[0])
         explore_ms = cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
-        return _CachedPlan(depth, self.tuning.plan_every, plain_ms, explore_ms)
+        return _CachedPlan(depth, 0, plain_ms, explore_ms)
