@@ -77,8 +77,8 @@ class DepthPlanner:
         # run's tail, had the last two rows catch up ~900 tokens (90 ms) to draft a few tokens.
         if cached is None or self._steps >= cached.until:
             behind = catch_up() if catch_up is not None else 0.0
-            horizon = 1 if joining else self.tuning.plan_every
-            cached = self._best(n_adaptive, n_decode, cost, behind, horizon)._replace(until=self._steps + horizon)
+            cached = self._best(n_adaptive, n_decode, cost, behind, 1 if joining else self.tuning.plan_every)
+            cached = cached._replace(until=self._steps + self.tuning.plan_every)
             self._cache[key] = cached
         best = cached.depth
         if best == 0:

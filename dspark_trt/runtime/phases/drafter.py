@@ -18,12 +18,18 @@ from dspark_trt.runtime.costs.catch_up import CatchUpRate
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 
-__all__ = ["Draft", "DraftRound", "Drafter", "draft_room"]
+__all__ = ["Draft", "DraftRound", "Drafter", "draft_room", "drafting_rows"]
 
 
 def draft_room(r: Request, max_context: int) -> int:
     """Drafts request r has room for: the target always adds one token, within its answer and the context."""
     return min(r.remaining() - 1, max_context - len(r.tokens) - 1)
+
+
+def drafting_rows(decode: list[Request], steps: int, cap) -> list[Request]:
+    """The rows that draft this step: fixed-K ones, and adaptive ones when the plan drafts (most steps at
+    high load plan none: no per-row test then), each while cap(r, steps) leaves it room."""
+    return [r for r in decode if (r.mode.kind == "fixed" or (steps and r.mode.kind == "adaptive")) and cap(r, steps) > 0]
 
 
 class Draft(NamedTuple):
@@ -78,7 +84,7 @@ class Drafter:
         return max(0, min(k, draft_room(r, self.max_context)))
 
     def draft(self, batch, depth, cost) -> DraftRound:
-        spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
+        spec = drafting_rows(batch.decode, depth.steps, self.cap)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
         return self.run(spec, depth.steps)

@@ -18,7 +18,7 @@ import numpy as np
 
 from dspark_trt.manifest_schema import DSPARK_SAMPLE_GRAPH
 from dspark_trt.runtime.costs.catch_up import CatchUpRate
-from dspark_trt.runtime.phases.drafter import Draft, DraftRound, draft_room
+from dspark_trt.runtime.phases.drafter import Draft, DraftRound, draft_room, drafting_rows
 from dspark_trt.runtime.request import Request
 from dspark_trt.runtime.config import fixed_k_limit
 
@@ -67,7 +67,7 @@ class DsparkDrafter:
         return max(0, min(k, draft_room(r, self.max_context)))
 
     def draft(self, batch, depth, cost) -> DraftRound:
-        spec = [r for r in batch.decode if r.mode.kind != "off" and self.cap(r, depth.steps) > 0]
+        spec = drafting_rows(batch.decode, depth.steps, self.cap)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
         t0 = time.perf_counter()
