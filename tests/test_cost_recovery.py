@@ -230,3 +230,20 @@ def test_the_catch_up_rate_is_weighed_by_tokens():
         rate.observe(480, 24.0)  # the machine got twice as slow
     assert rate.ms(960) == pytest.approx(48.0, rel=0.02)
 
+
+
+def test_one_dear_catch_up_is_forgotten_at_the_next_large_one():
+    """A catch-up priced too dear is never explored, so never timed again: the rate is never above what
+    the latest large catch-up cost, and one normal call after a cold one (a fresh server's first, its
+    caches still being mapped: 1.1 ms a token) brings it back."""
+    from dspark_trt.runtime.costs.catch_up import CatchUpRate
+
+    rate = CatchUpRate()
+    rate.observe(400, 450.0)
+    assert rate.ms(100) == pytest.approx(112.5)
+    rate.observe(40, 0.8)  # 0.02 ms a token
+    assert rate.ms(100) == pytest.approx(2.0)
+    rate.observe(2, 0.5)  # a small call's fixed cost does not set it
+    assert rate.ms(100) == pytest.approx(2.0)
+    rate.observe(400, 16.0)  # dearer than the one before: the latest sets it while the mean is dearer still
+    assert 2.0 < rate.ms(100) <= 4.0

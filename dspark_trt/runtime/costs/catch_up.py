@@ -13,18 +13,30 @@ __all__ = ["CatchUpRate"]
 
 class CatchUpRate:
     """Recent catch-up ms per token fed: a ratio of decayed sums, so large calls (what a long catch-up
-    is made of) weigh by their tokens and one small call's fixed cost does not set the rate.
-    0 before any catch-up was timed: the first one finds out."""
+    is made of) weigh by their tokens and one small call's fixed cost does not set the rate; and never
+    above what the latest large call cost. A rate too dear is self-sustaining (a catch-up priced too dear
+    is not explored, so never timed again) where one too cheap is not (the exploration it lets through is
+    timed, and settled at what it cost): a fresh server's first catch-up, timed while its caches were
+    still being mapped, cost 1.1 ms a token, 50x the rate after, and kept adaptive at one request from
+    exploring, so from drafting, for 8000 tokens. 0 before any catch-up was timed: the first one finds out."""
+
+    LARGE = 16  # tokens: a call at least this large prices by its tokens, not by its fixed cost
 
     def __init__(self, decay: float = 0.8):
         self.decay = decay
         self._ms = self._tokens = 0.0
+        self._latest: float | None = None  # ms a token of the latest large call
 
     def observe(self, tokens: int, ms: float) -> None:
         if tokens > 0:
             self._ms = self.decay * self._ms + max(0.0, ms)
             self._tokens = self.decay * self._tokens + tokens
+            if tokens >= self.LARGE:
+                self._latest = max(0.0, ms) / tokens
 
     def ms(self, tokens: int) -> float:
         """Modelled ms of catching up `tokens` tokens."""
-        return tokens * self._ms / self._tokens if self._tokens else 0.0
+        if not self._tokens:
+            return 0.0
+        rate = self._ms / self._tokens
+        return tokens * (rate if self._latest is None else min(rate, self._latest))
