@@ -247,3 +247,27 @@ def test_one_dear_catch_up_is_forgotten_at_the_next_large_one():
     assert rate.ms(100) == pytest.approx(2.0)
     rate.observe(400, 16.0)  # dearer than the one before: the latest sets it while the mean is dearer still
     assert 2.0 < rate.ms(100) <= 4.0
+
+
+def test_a_catch_up_token_is_never_priced_above_twice_a_drafting_rows_cost():
+    """A server's first catch-up, timed while its caches were still being mapped, cost 13x what one more
+    row costs a drafting call; priced at that, every later catch-up was out of the exploration budget's
+    reach, so adaptive never drafted again. Feeding a token costs about a row's work: the price is bounded
+    at twice the cost table's slope, whatever was timed."""
+    from types import SimpleNamespace
+
+    from dspark_trt.runtime.costs.catch_up import CatchUpRate
+    from dspark_trt.runtime.costs.step import Costs
+    from dspark_trt.runtime.costs.table import CostTable
+    from dspark_trt.runtime.phases.drafter import Drafter
+
+    costs = Costs(64, 4)
+    rows = np.arange(65)
+    costs.table = CostTable(np.arange(65) * 0.1, np.where(rows > 0, 0.4 + 0.05 * rows, 0.0))  # 0.05 ms a row
+    drafter = Drafter.__new__(Drafter)
+    drafter.costs, drafter.catch_up_rate = costs, CatchUpRate()
+    behind = [SimpleNamespace(tokens=[1] * 301, draft_len=0)]
+    drafter.catch_up_rate.observe(300, 200.0)  # cold: 0.67 ms a token
+    assert drafter.catch_up_ms(behind) == pytest.approx(300 * 2 * 0.05)
+    drafter.catch_up_rate.observe(300, 6.0)  # warm: 0.02 ms a token, below the bound
+    assert drafter.catch_up_ms(behind) == pytest.approx(6.0)

@@ -34,9 +34,12 @@ class CatchUpRate:
             if tokens >= self.LARGE:
                 self._latest = max(0.0, ms) / tokens
 
-    def ms(self, tokens: int) -> float:
-        """Modelled ms of catching up `tokens` tokens."""
+    def ms(self, tokens: int, ceiling: float | None = None) -> float:
+        """Modelled ms of catching up `tokens` tokens; ceiling: the most ms a token is priced at (None: no
+        bound). One timed call sets the rate until the next is timed, so a cold first one is bounded too."""
         if not self._tokens:
             return 0.0
         rate = self._ms / self._tokens
-        return tokens * (rate if self._latest is None else min(rate, self._latest))
+        if self._latest is not None:
+            rate = min(rate, self._latest)
+        return tokens * (rate if ceiling is None else min(rate, ceiling))

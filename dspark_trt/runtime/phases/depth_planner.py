@@ -77,9 +77,9 @@ class DepthPlanner:
         # run's tail, had the last two rows catch up ~900 tokens (90 ms) to draft a few tokens.
         if cached is None or self._steps >= cached.until:
             behind = catch_up() if catch_up is not None else 0.0
-            cached = self._best(n_adaptive, n_decode, cost, behind, 1 if joining else self.tuning.plan_every)
-            cached = cached._replace(until=self._steps + self.tuning.plan_every)
-            self._cache[key] = cached
+            cached = self._cache[key] = self._best(n_adaptive, n_decode, cost, behind,
+                                                   1 if joining else self.tuning.plan_every,
+                                                   until=self._steps + self.tuning.plan_every)
         best = cached.depth
         if best == 0:
             self.plain_checks.idle(n_decode)
@@ -96,7 +96,8 @@ class DepthPlanner:
             return DepthPlan(0, checking=True)
         return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
 
-    def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0, horizon: int = 1) -> _CachedPlan:
+    def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0, horizon: int = 1,
+              until: int = 0) -> _CachedPlan:
         """The model's plan: best draft depth, and what a plain and an exploring step cost. behind_ms: the
         modelled ms of the draft catching up on what it has not seen, which drafting pays before its first
         call: spread over `horizon` steps, the price of starting to draft. Unpriced, a model that put
@@ -116,4 +117,4 @@ class DepthPlanner:
         depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
         plain_ms = plain + float(verify[0])
         explore_ms = cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
-        return _CachedPlan(depth, 0, plain_ms, explore_ms)
+        return _CachedPlan(depth, until, plain_ms, explore_ms)

@@ -95,7 +95,18 @@ class Drafter:
     def catch_up_ms(self, reqs) -> float:
         """Modelled ms of feeding the draft what `reqs` hold that it has not seen, but for the one token a
         request feeds in its drafting call."""
-        return self.catch_up_rate.ms(sum(max(0, len(r.tokens) - r.draft_len - 1) for r in reqs))
+        return self.catch_up_rate.ms(sum(max(0, len(r.tokens) - r.draft_len - 1) for r in reqs), self._token_ceiling())
+
+    def _token_ceiling(self) -> float | None:
+        """The most a catch-up token is priced at: twice what one more row costs a drafting call (the cost
+        table's slope). Feeding a token costs about a row's work (measured: 0.3-0.8x of it), so a rate far
+        above this was timed cold: a server's first catch-up, its caches still being mapped, cost 13x the
+        slope, and priced every later one out of reach (adaptive never explored, so never drafted again)."""
+        table = self.costs.table
+        if table is None or table.max_batch < 2:
+            return None
+        n = table.max_batch
+        return 2.0 * max(0.0, float(table.draft_ms(n) - table.draft_ms(1))) / (n - 1)
 
     def prepare_call(self, batch: int, past: int):
         """A zero-argument function making one drafting call of `batch` rows at `past` cached tokens
