@@ -93,3 +93,39 @@ def test_the_runtime_maps_its_caches_at_load_and_the_profiler_waits_for_it(tiny_
     finally:
         rt.persist_profile = False
         rt.close()
+
+
+def test_no_cost_is_learned_from_timings_taken_while_the_caches_are_being_mapped(tiny_artifact, monkeypatch):
+    """A server's first seconds ran 3-6x slow beside the mapping, and what the cost model learned from them
+    (call levels, step overheads, the draft's catch-up rate) kept adaptive at one request from drafting long
+    after. So no cost is learned while the mapping runs, and costs are learned as usual once it is done."""
+    import threading
+
+    from cost_sim import profile_table
+    from dspark_trt.runtime import GenerationConfig
+    from dspark_trt.runtime.runtime import Runtime
+
+    release = threading.Event()
+
+    def held(buffers):
+        mapping = threading.Thread(target=release.wait, daemon=True)
+        mapping.start()
+        return mapping, threading.Event()
+
+    monkeypatch.setattr(pf, "prefault_in_background", held)
+    rt = Runtime.load(tiny_artifact, profile="none", max_batch=4)
+    try:
+        rt.persist_profile = False
+        rt.cost = profile_table(lambda rows, tokens: 0.05, lambda rows, tokens: 2.0 + 0.01 * tokens,
+                                rt.max_batch, 64, rt)
+        prompts = [[5 + i] + list(range(7, 27)) for i in range(2)]  # longer than a drafting call takes in
+        config = GenerationConfig(max_new_tokens=12, spec="adaptive")
+        rt.generate(prompts, config)
+        assert not rt.costs.overhead.ms and rt.drafter.catch_up_rate.ms(100) == 0.0
+        release.set()
+        rt.wait_prefaulted()
+        rt.generate(prompts, config)
+        assert rt.costs.overhead.ms and rt.drafter.catch_up_rate.ms(100) > 0.0
+    finally:
+        release.set()
+        rt.close()

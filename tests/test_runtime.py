@@ -372,6 +372,7 @@ def test_a_switch_into_drafting_is_not_charged_to_the_step_overhead(tiny_artifac
     from dspark_trt.runtime.phases.depth_planner import DepthPlan
 
     rt = Runtime.load(tiny_artifact, profile="none", max_batch=4)
+    rt.wait_prefaulted()  # costs are learned once the caches are mapped
     try:
         script = iter([0] * 6 + [2] * 100)
 

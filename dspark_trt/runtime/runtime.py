@@ -394,9 +394,10 @@ class Runtime:
             return False
         cost = self.costs.for_step(len(batch.decode), batch.past)
         depth = self.depth_planner.plan(batch, cost)
+        self.costs.learning = self._prefault is None or not self._prefault[0].is_alive()
         # One step in cost_observe_every feeds the tables, and every exploring or checking step: it exists to
         # be seen.
-        self.costs.observing = (depth.exploring or depth.checking
+        self.costs.observing = self.costs.learning and (depth.exploring or depth.checking
                                 or self.metrics.steps % self.tuning.cost_observe_every == 0)
         drafted = self.drafter.draft(batch, depth, cost)  # -> Draft named tuples, read by name
         plan = self.verify_planner.plan(batch, drafted, cost, depth.exploring)

@@ -29,6 +29,11 @@ class Costs:
         self.tau_row = 0.0  # recent tokens a decoding request emits per step (EW)
         self.break_even = 0.0  # break-even (corrected) survival of the last solve
         self.observing = True  # this step's drafting and target calls are fed to the tables (Runtime.step)
+        # False while the machine's timings are not its own (Runtime.step: the host caches' pages still being
+        # mapped): no cost is learned from them. A server's first seconds ran 3-6x slow beside the mapping,
+        # and what the call-shape levels, catch-up rate and step overheads learned then kept adaptive at
+        # one request from drafting long after (exploring there cannot show them wrong fast enough).
+        self.learning = True
         self._even_grid: dict = {}  # see StepCost.verify_table
 
     @property

@@ -218,7 +218,8 @@ class Drafter:
             # not draft once per switch into drafting.
             fed = sum(c for _, c in group)
             ms = (time.perf_counter() - t) * 1e3
-            self.catch_up_rate.observe(fed, ms)
+            if self.costs.learning:
+                self.catch_up_rate.observe(fed, ms)
             switch_ms += ms * sum(c for r, c in group if r.stats.steps > 1) / fed
             prompt_ms += ms * sum(c for r, c in group if r.stats.steps <= 1) / fed
             for r, c in group:

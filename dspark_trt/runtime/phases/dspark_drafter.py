@@ -79,7 +79,8 @@ class DsparkDrafter:
         self._flush([r.slot for r in spec])
         flush_ms = (time.perf_counter() - t0) * 1e3
         rows = sum(behind.values())
-        self.catch_up_rate.observe(rows, flush_ms)
+        if self.costs.learning:
+            self.catch_up_rate.observe(rows, flush_ms)
         prompt_ms = flush_ms * sum(behind[r.id] for r in spec if r.stats.steps <= 1) / rows if rows else 0.0
         far = max((behind[r.id] for r in spec if r.stats.steps > 1), default=0) > self.max_draft + 1
         switch_ms = flush_ms - prompt_ms if far else 0.0

@@ -62,7 +62,8 @@ class Learner:
         if decode and wall_ms > 0:
             self._rates(batch, depth, drafted, plan, result, wall_ms)
             self.metrics.record_prediction(plan.predicted_accepted, sum(acc), predicted_ms, wall_ms)
-            self.explainer.record(plan.predicted_accepted, sum(acc), predicted_ms, wall_ms)
+            if self.costs.learning:  # a slow machine's first seconds are no news about the profile
+                self.explainer.record(plan.predicted_accepted, sum(acc), predicted_ms, wall_ms)
         self.metrics.record_step(wall_ms, drafted.engine_ms + result.target_ms, plan.solver_us, result.verified,
                                  len(result.order), sum(len(d.tokens) for d in drafts.values()))
 
@@ -74,6 +75,8 @@ class Learner:
         rate = emitted / wall_ms
         costs.rate = rate if costs.rate == 0 else (1 - a) * costs.rate + a * rate
         costs.tau_row = emitted / nd if costs.tau_row == 0 else (1 - a) * costs.tau_row + a * emitted / nd
+        if not costs.learning:  # timings not the machine's own (Costs.learning): nothing learned from them
+            return
         if depth.exploring and self.exploration is not None:
             # Its whole cost, the draft catching up on what it skipped included (that is what exploring
             # costs, and the budget bounds it), but not the prompts that arrived: they come in lumps (a wave

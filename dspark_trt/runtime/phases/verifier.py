@@ -157,7 +157,7 @@ class Verifier:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
             # writes grow with the tokens verified too.
             table.observe_verify(tokens, full)
-        if table is not None and table.call_shape is not None:
+        if table is not None and table.call_shape is not None and self.costs.learning:
             # Every call, unlike the tables (a feed rebuilds them): a few float operations, and at 64 requests
             # a bench run makes ~100 calls of full width, of which one in cost_observe_every taught the
             # plain and verify offsets too little to tell plain from drafting.
