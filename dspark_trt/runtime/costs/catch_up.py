@@ -16,9 +16,9 @@ class CatchUpRate:
     is made of) weigh by their tokens and one small call's fixed cost does not set the rate; and never
     above what the latest large call cost. A rate too dear is self-sustaining (a catch-up priced too dear
     is not explored, so never timed again) where one too cheap is not (the exploration it lets through is
-    timed, and settled at what it cost): a fresh server's first catch-up, timed while its caches were
-    still being mapped, cost 1.1 ms a token, 50x the rate after, and kept adaptive at one request from
-    exploring, so from drafting, for 8000 tokens. 0 before any catch-up was timed: the first one finds out."""
+    timed, and settled at what it cost): a fresh runtime's first catch-up, timed cold, cost 0.7-2.9 ms a
+    token, 30-60x the rate after, and kept adaptive from exploring, so from drafting (in a 10 s open loop,
+    never). 0 before any catch-up was timed: the first one finds out."""
 
     LARGE = 16  # tokens: a call at least this large prices by its tokens, not by its fixed cost
 

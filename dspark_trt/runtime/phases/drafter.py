@@ -29,7 +29,8 @@ def draft_room(r: Request, max_context: int) -> int:
 def drafting_rows(decode: list[Request], steps: int, cap) -> list[Request]:
     """The rows that draft this step: fixed-K ones, and adaptive ones when the plan drafts (most steps at
     high load plan none: no per-row test then), each while cap(r, steps) leaves it room."""
-    return [r for r in decode if (r.mode.kind == "fixed" or (steps and r.mode.kind == "adaptive")) and cap(r, steps) > 0]
+    return [r for r in decode
+            if (r.mode.kind == "fixed" or (steps and r.mode.kind == "adaptive")) and cap(r, steps) > 0]
 
 
 class Draft(NamedTuple):
