@@ -32,6 +32,11 @@ from dspark_trt.runtime.phases.learn import Learner
 from dspark_trt.runtime.phases.verifier import Verifier
 from dspark_trt.runtime.phases.verify_planner import VerifyPlanner
 from dspark_trt.runtime.request import Request
+
+#: Seconds after the caches' mapping started that costs are learned again even if it has not finished: the
+#: mapping thread runs at the lowest priority, and beside a CPU-heavy job it can take minutes, for which
+#: the runtime would otherwise learn nothing (quiet, the tiny pair's takes ~9 s on these VMs).
+MAPPING_GRACE_S = 15.0
 from dspark_trt.runtime.survival_correction import SurvivalCorrection
 from dspark_trt.runtime.tuning import RuntimeTuning
 
@@ -123,6 +128,7 @@ class Runtime:
         # persist_refined); off for runtimes started from a profile that is not the artifact's own.
         self.persist_profile = True
         self._prefault = None  # (thread, stop) mapping the host caches' pages (prefault.py); load() starts it
+        self._mapping_since = 0.0  # when it started (time.monotonic)
 
     def _move_slot(self, r, src: int, dst: int) -> None:
         self.target_kv.move(src, dst, r.target_len)
@@ -360,6 +366,7 @@ class Runtime:
             self._prefault = prefault_in_background(
                 [b for c in caches if isinstance(c, KVCache)
                  for b in (*c.keys, *c.values, *getattr(c, "slot_major", ()))])
+            self._mapping_since = time.monotonic()
 
     def wait_prefaulted(self) -> None:
         """Block until prefault_caches() is done: before timing anything (the profiler, the bench)."""
@@ -394,7 +401,8 @@ class Runtime:
             return False
         cost = self.costs.for_step(len(batch.decode), batch.past)
         depth = self.depth_planner.plan(batch, cost)
-        self.costs.learning = self._prefault is None or not self._prefault[0].is_alive()
+        self.costs.learning = (self._prefault is None or not self._prefault[0].is_alive()
+                               or time.monotonic() - self._mapping_since > MAPPING_GRACE_S)
         # One step in cost_observe_every feeds the tables, and every exploring or checking step: it exists to
         # be seen.
         self.costs.observing = self.costs.learning and (depth.exploring or depth.checking
