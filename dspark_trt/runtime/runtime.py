@@ -32,13 +32,14 @@ from dspark_trt.runtime.phases.learn import Learner
 from dspark_trt.runtime.phases.verifier import Verifier
 from dspark_trt.runtime.phases.verify_planner import VerifyPlanner
 from dspark_trt.runtime.request import Request
+from dspark_trt.runtime.survival_correction import SurvivalCorrection
+from dspark_trt.runtime.tuning import RuntimeTuning
 
 #: Seconds after the caches' mapping started that costs are learned again even if it has not finished: the
 #: mapping thread runs at the lowest priority, and beside a CPU-heavy job it can take minutes, for which
 #: the runtime would otherwise learn nothing (quiet, the tiny pair's takes ~9 s on these VMs).
 MAPPING_GRACE_S = 15.0
-from dspark_trt.runtime.survival_correction import SurvivalCorrection
-from dspark_trt.runtime.tuning import RuntimeTuning
+
 
 __all__ = ["GenerationResult", "QueueFullError", "Runtime", "load_manifest"]
 

@@ -96,7 +96,8 @@ class Drafter:
     def catch_up_ms(self, reqs) -> float:
         """Modelled ms of feeding the draft what `reqs` hold that it has not seen, but for the one token a
         request feeds in its drafting call."""
-        return self.catch_up_rate.ms(sum(max(0, len(r.tokens) - r.draft_len - 1) for r in reqs), self._token_ceiling())
+        behind = sum(max(0, len(r.tokens) - r.draft_len - 1) for r in reqs)
+        return self.catch_up_rate.ms(behind, self._token_ceiling())
 
     def _token_ceiling(self) -> float | None:
         """The most a catch-up token is priced at: twice what one more row costs a drafting call (the cost
