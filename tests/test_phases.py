@@ -137,6 +137,18 @@ def test_a_plan_met_again_after_other_shapes_is_made_afresh_with_the_catch_up_it
     assert planner.plan_for(2, 2, costs.for_step(2, 0), lambda: 0.0).steps == 0  # within its steps: reused
 
 
+def test_a_plan_is_made_again_as_soon_as_the_costs_it_was_made_from_moved():
+    """Not only after plan_every steps: a cold start from a flat profile drafted on for a plan's 8 steps at 16
+    requests (4-5x a plain step each) after its first verify call had shown drafting dear."""
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.5) * (np.arange(K + 2) > 0))
+    tuning = replace(RuntimeTuning(), plain_check_every=0, explore_budget=0.0)
+    planner = DepthPlanner(K, tuning, AdaptiveController())
+    assert planner.plan_for(2, 2, costs.for_step(2, 0)).steps > 0
+    for _ in range(5):  # draft calls far dearer than profiled, five in a row: the draft drift jumps
+        costs.table.observe_draft(2, 40.0)
+    assert planner.plan_for(2, 2, costs.for_step(2, 0)).steps == 0
+
 
 def test_the_planner_reads_joining_prompts_off_the_batch():
     costs = Costs(64, K)

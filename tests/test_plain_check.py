@@ -1,6 +1,6 @@
 """Plain checks (phases/plain_check.py) and the per-kind levels they feed (costs/call_shape.py): a cost
 model that prices drafting too cheaply next to plain decoding at some width is shown wrong and turns to
-plain decoding there; calls soon after a switch of graphs teach nothing."""
+plain decoding there; calls soon after a switch of graphs teach only what a switch cannot explain."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_trt.runtime.controller import AdaptiveController
-from dspark_trt.runtime.costs.call_shape import CallShapeCost, features
+from dspark_trt.runtime.costs.call_shape import SWITCH_PRICE, CallShapeCost, features
 from dspark_trt.runtime.costs.step import Costs
 from dspark_trt.runtime.costs.table import CostTable
 from dspark_trt.runtime.phases.depth_planner import DepthPlanner
@@ -142,13 +142,27 @@ def test_a_stretch_of_one_kind_leaves_the_other_kind_priced_by_its_own_calls(str
     assert _factors(m) == pytest.approx(expected, rel=0.05)
 
 
-def test_calls_soon_after_a_switch_of_graphs_teach_nothing():
+def test_calls_soon_after_a_switch_of_graphs_teach_nothing_that_a_switch_can_explain():
     m = CallShapeCost(PROFILED)
     m.refit_every = 0
     _calls(m, 64, plain=0.8, verify=1.25)
-    before = _factors(m)
-    _calls(m, 40, plain=1.45, verify=1.45, settled=False)  # each right after the other kind
+    before, moves = _factors(m), m.moves
+    _calls(m, 40, plain=0.8 * 1.3, verify=1.25 * 1.3, settled=False)  # each right after the other kind
+    _calls(m, 40, plain=0.5, verify=0.5, settled=False)  # cheaper: half of any noise would be learned
     assert _factors(m) == pytest.approx(before)
+    assert m.moves == moves
+
+
+def test_a_call_soon_after_a_switch_dearer_than_a_switch_explains_teaches_the_rest_at_once():
+    """A flat profile prices deep verification far too cheaply; its first verify calls all come right after
+    the plain graph ran. Skipping them all, a cold start drafted 5 deep for 8 steps at 16 requests (4-5x a
+    plain step each) before its first settled call."""
+    m = CallShapeCost(PROFILED)
+    m.refit_every = 0
+    _calls(m, 1, verify=6.0, settled=False)
+    # what is left once a whole switch's price is taken out, learned as a settled call would be
+    assert _factors(m)[1] == pytest.approx(math.exp(0.5 * math.log(6.0 / SWITCH_PRICE)), rel=0.05)
+    assert m.moves == 1  # news: plans made before it are made again (depth_planner)
 
 
 def test_a_kind_never_observed_follows_every_calls_drift_until_one_of_its_calls_is():

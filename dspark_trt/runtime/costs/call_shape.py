@@ -96,10 +96,17 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+# The most a switch of graphs adds to a call (tuning.settle_calls: the first call after one, 1.45x its settled time).
+SWITCH_PRICE = 1.5
+SWITCH_LOG = math.log(SWITCH_PRICE)
+
+
 class CallShapeCost:
     """ms of one engine call from (tokens, rows, longest query, past length); see the module docstring."""
 
     STEP = math.log(4.0)  # a call's innovation counts as at most this
+    # A level moved this far by one call is news, not noise (settled, shape_alpha caps a call's move at 7%).
+    LEAP = math.log(1.1)
 
     def __init__(self, coef):
         c = np.asarray(coef, dtype=np.float64)
@@ -120,6 +127,7 @@ class CallShapeCost:
         self.log_drift = 0.0
         self.fitted = c  # the profile's fit, which refits move away from
         self.refits = 0
+        self.moves = 0  # levels that moved by more than LEAP in one call, and refits (CostTable.moves)
         # The padded-attention coefficient of a prompt chunk among decode rows, learned from such calls (only
         # up): the profile's (coef[3]) is kept for everything else, the verify depth's padding included.
         self.chunk_padding = 0.0
@@ -213,9 +221,10 @@ class CallShapeCost:
         """Feed back a measured call: its kind's level at its width follows observed / predicted (bounded).
         chunk_among_rows: the call packed a prompt chunk with decode rows (the padded attention shows; its
         level stays the decode calls'). settled: False for a call soon after the engine switched graphs
-        (tuning.settle_calls): it took the switch's price, not its own, and teaches nothing but padding.
-        (Letting a kind's first call at a width teach all the same, so that an exploration's verify call
-        priced verifying, made cold starts from a flat profile draft more: tau 1.32 against 1.10 at 16.)
+        (tuning.settle_calls): it took up to a switch's price on top of its own, so it teaches only where that
+        cannot explain its error (below). (Letting such calls teach as they were, so that an exploration's
+        verify call priced verifying, made cold starts from a flat profile draft more: tau 1.32 against 1.10
+        at 16.)
         Every call counts towards the next refit. (Refits from one step in cost_observe_every recovered from
         a flat profile in a run or four, not one; refits from every call had wandered the call and token
         coefficients down before they were weighed by the model's prediction and asked for three standard
@@ -228,19 +237,26 @@ class CallShapeCost:
         if chunk_among_rows:
             # Settled or not: such a call always follows plain calls, and padding errors are 3-5x, a switch's 1.1x.
             self._learn_padding(tokens, rows, longest, past, ms / math.exp(own))
-        if not settled:
-            return
         pred = self.base_ms(tokens, rows, longest, past, chunk_among_rows)
         if not pred > 0:
             return
         x = math.log(ms / pred)
+        if not settled:
+            # A switch adds at most SWITCH_PRICE: a call dearer than the model even without that teaches what
+            # is left (a kind priced far too cheaply, such as deep verification under a flat profile, which
+            # drafted 5 deep for 8 steps at 16 requests before the first settled verify call). Cheaper ones
+            # teach nothing: half of any noise would be learned and the other half not.
+            if x - SWITCH_LOG <= own:
+                return
+            x, ms = x - SWITCH_LOG, ms / SWITCH_PRICE
         if not chunk_among_rows:
             # A level starts from its prior, which counts as one call, and averages its calls until there are
             # 1 / alpha of them (a profile 3x off is caught up with within a dozen calls), then follows them
             # exponentially weighted; one stalled call moves it by at most STEP times that weight.
             n = self._seen[(w, kind)] = self._seen.get((w, kind), 0) + 1
             weight = max(self.alpha, 1.0 / (n + 1))
-            self.level[(w, kind)] = min(max(own + weight * min(max(x - own, -self.STEP), self.STEP), lo), hi)
+            level = self.level[(w, kind)] = min(max(own + weight * min(max(x - own, -self.STEP), self.STEP), lo), hi)
+            self.moves += abs(level - own) > self.LEAP
             if self.refit_every > 0:
                 # In the model's units: what the base should have said, the machine's speed at the time and the
                 # kind's profile offset taken out (not its level: a refit is for what the levels cannot
@@ -320,6 +336,7 @@ class CallShapeCost:
         self.log_drift = min(max(self.log_drift - float(change.mean()), lo), hi)
         self.coef = coef
         self.refits += 1
+        self.moves += 1
 
     def moved(self) -> float:
         """How far refits have moved the model from the profile's fit: the largest ratio of their

@@ -153,6 +153,7 @@ class _Drift:
         self.alpha, self.half_step = float(alpha), float(max_step) / 2
         self.log_lo, self.log_hi = math.log(lo), math.log(hi)
         self.catch_up, self.catch_up_band = int(catch_up), math.log1p(catch_up_margin)
+        self.jumps = 0  # times the global term jumped (_caught_up): what plans made before it assumed is gone
         self.reset()
 
     def reset(self) -> None:
@@ -208,6 +209,7 @@ class _Drift:
             return False
         self.g = min(max(float(np.median(streak)), self.log_lo), self.log_hi)
         streak.clear()
+        self.jumps += 1
         return True
 
     def report(self) -> dict:
@@ -322,6 +324,13 @@ class CostTable:
             t.setflags(write=False)
             self._cache[name] = t
         return t
+
+    @property
+    def moves(self) -> int:
+        """How many times the model moved at once (a drift's jump, a call-shape level's leap or refit): a plan
+        made before the latest is made from costs that are gone. Counts up only."""
+        n = sum(d.jumps for d in self._drift.values())
+        return n + (self.call_shape.moves if self.call_shape is not None else 0)
 
     def verify_table(self, corrected: bool = True) -> np.ndarray:
         """Read-only array indexed by verified-token count t = 0..max_tokens (index 0 = 0 ms)."""

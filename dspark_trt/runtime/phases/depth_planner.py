@@ -37,6 +37,7 @@ class _CachedPlan(NamedTuple):
 
     depth: int  # best draft depth by the cost model
     until: int  # the planner's step count at which it is made again
+    moves: int  # the cost model's moves when it was made (CostTable.moves): made again once they change
     plain_ms: float  # modelled ms of a step without drafting
     explore_ms: float  # modelled extra ms of an exploring step (one draft call, verify one more token a row)
 
@@ -74,12 +75,15 @@ class DepthPlanner:
         key = (n_adaptive, n_decode, joining)
         cached = self._cache.get(key)
         # By steps, not uses: a plan made when the draft was caught up, used once and met again at the next
-        # run's tail, had the last two rows catch up ~900 tokens (90 ms) to draft a few tokens.
-        if cached is None or self._steps >= cached.until:
+        # run's tail, had the last two rows catch up ~900 tokens (90 ms) to draft a few tokens. And at once
+        # when the costs moved: a cold start from a flat profile drafted on for the plan's 8 steps at 16
+        # requests, 4-5x a plain step each, after its first verify call had shown drafting dear.
+        moves = cost.table.moves
+        if cached is None or self._steps >= cached.until or moves != cached.moves:
             behind = catch_up() if catch_up is not None else 0.0
             cached = self._cache[key] = self._best(n_adaptive, n_decode, cost, behind,
                                                    1 if joining else self.tuning.plan_every,
-                                                   until=self._steps + self.tuning.plan_every)
+                                                   until=self._steps + self.tuning.plan_every, moves=moves)
         best = cached.depth
         if best == 0:
             self.plain_checks.idle(n_decode)
@@ -97,7 +101,7 @@ class DepthPlanner:
         return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
 
     def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0, horizon: int = 1,
-              until: int = 0) -> _CachedPlan:
+              until: int = 0, moves: int = 0) -> _CachedPlan:
         """The model's plan: best draft depth, and what a plain and an exploring step cost. behind_ms: the
         modelled ms of the draft catching up on what it has not seen, which drafting pays before its first
         call: spread over `horizon` steps, the price of starting to draft. Unpriced, a model that put
@@ -117,4 +121,4 @@ class DepthPlanner:
         depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
         plain_ms = plain + float(verify[0])
         explore_ms = cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
-        return _CachedPlan(depth, until, plain_ms, explore_ms)
+        return _CachedPlan(depth, until, moves, plain_ms, explore_ms)
