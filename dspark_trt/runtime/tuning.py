@@ -165,11 +165,12 @@ class RuntimeTuning:
     anyway; every feed costs a table rebuild."""
 
     settle_calls: int = 4
-    """Calls after the engine switched graphs that neither the profile times nor the cost model learns from.
-    After running another graph (ONNX Runtime: the packed graph after the decoding graph, the greedy twin
-    after the sampling graph, or back), a graph's first calls are slower: at 16 rows a plain call took
-    1.45x, 1.4x, 1.27x, 1.2x and 1.08x its settled time. Learned from, they priced each kind at what a
-    switch costs (plain decoding at 2-2.5x its price while adaptive drafted). 0: learn from every call."""
+    """Calls after the engine switched graphs that the profile does not time and the cost model learns from
+    only where a switch cannot explain them (call_shape.py: dearer than the model by more than a switch's
+    price). After running another graph (ONNX Runtime: the packed graph after the decoding graph, the greedy
+    twin after the sampling graph, or back), a graph's first calls are slower: at 16 rows a plain call took
+    1.45x, 1.4x, 1.27x, 1.2x and 1.08x its settled time. Learned from as they were, they priced each kind at
+    what a switch costs (plain decoding at 2-2.5x its price while adaptive drafted). 0: learn from every call."""
 
     plan_every: int = 8
     """Steps a draft-depth plan is reused per batch shape before it is made again."""
