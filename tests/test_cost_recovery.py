@@ -167,6 +167,8 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_exploration
     assert 5.0 * len(charged) <= budget * 10.0 * len(due)
     gaps = np.diff([i for i, c in enumerate(due) if c is not None])
     assert gaps[0] < gaps[-1] <= 10 * gaps[0]  # the share falls with confirmations, to a tenth at most
+    # as 1 / (1 + n)^2: the second exploration waits ~4x as long as the first, the third ~9x
+    assert gaps[1] / gaps[0] == pytest.approx(9 / 4, rel=0.15)
     assert s.share(16) == pytest.approx(budget * ExplorationSchedule.FLOOR)
     assert s.due(1, 10.0, 5.0) is None  # every load bucket earns its own credit
     # Explorations where drafting paid do not count: exploring goes on at the full share.
@@ -213,7 +215,7 @@ def test_an_exploration_that_cost_more_than_charged_is_paid_back_before_the_next
     # One that cost less than charged (a profile too dear about drafting) pays for the next look sooner,
     # unless it confirmed that drafting does not pay: then the saving earns nothing.
     assert gaps(-4.0)[:2] == [5, 1]
-    assert gaps(-4.0, confirmed=True)[:2] == [5, 10]
+    assert gaps(-4.0, confirmed=True)[:2] == [5, 20]  # and the share falls to a quarter
 
 
 def test_the_catch_up_rate_is_weighed_by_tokens():
