@@ -167,7 +167,7 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_exploration
     assert 5.0 * len(charged) <= budget * 10.0 * len(due)
     gaps = np.diff([i for i, c in enumerate(due) if c is not None])
     assert gaps[0] < gaps[-1] <= 10 * gaps[0]  # the share falls with confirmations, to a tenth at most
-    # as 1 / (1 + n)^2: the second exploration waits ~4x as long as the first, the third ~9x
+    # as 1 / (1 + n)^2: after one confirmation the wait is 4x the first, after two 9x
     assert gaps[1] / gaps[0] == pytest.approx(9 / 4, rel=0.15)
     assert s.share(16) == pytest.approx(budget * ExplorationSchedule.FLOOR)
     assert s.due(1, 10.0, 5.0) is None  # every load bucket earns its own credit

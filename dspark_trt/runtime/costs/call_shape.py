@@ -96,7 +96,7 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-# The most a switch of graphs adds to a call (tuning.settle_calls: the first call after one, 1.45x its settled time).
+# The most a switch of graphs adds to a call (tuning.settle_calls: the first call after one took 1.45x).
 SWITCH_PRICE = 1.5
 SWITCH_LOG = math.log(SWITCH_PRICE)
 
@@ -255,7 +255,8 @@ class CallShapeCost:
             # exponentially weighted; one stalled call moves it by at most STEP times that weight.
             n = self._seen[(w, kind)] = self._seen.get((w, kind), 0) + 1
             weight = max(self.alpha, 1.0 / (n + 1))
-            level = self.level[(w, kind)] = min(max(own + weight * min(max(x - own, -self.STEP), self.STEP), lo), hi)
+            level = min(max(own + weight * min(max(x - own, -self.STEP), self.STEP), lo), hi)
+            self.level[(w, kind)] = level
             self.moves += abs(level - own) > self.LEAP
             if self.refit_every > 0:
                 # In the model's units: what the base should have said, the machine's speed at the time and the
