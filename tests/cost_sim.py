@@ -59,6 +59,7 @@ def simulated(rt, monkeypatch, draft_ms, verify_ms, accept=None) -> CostedEngine
     clock = SimClock()
     engines = CostedEngines(rt.backend if accept is None else FakePair(rt, accept), clock, draft_ms, verify_ms)
     rt.drafter.backend = rt.verifier.backend = engines
+    rt.depth_planner.switch_calls = 0.0  # these engines cost by shape alone: no switch of graphs to price
     monkeypatch.setattr(time, "perf_counter", clock)
     return engines
 

@@ -150,6 +150,24 @@ def test_a_plan_is_made_again_as_soon_as_the_costs_it_was_made_from_moved():
     assert planner.plan_for(2, 2, costs.for_step(2, 0)).steps == 0
 
 
+def test_drafting_from_plain_decoding_pays_a_switch_of_graphs_that_going_on_drafting_does_not():
+    """After a drafting step the decoding graph's next calls take 1.9, 1.5, 1.3, 1.15x their time (ONNX Runtime,
+    4 requests): a stretch of drafting that starts from plain decoding pays about 2.5 plain calls more than
+    its steps. Where drafting gains less than that over the plan's horizon it does not start; once drafting,
+    going on costs no switch."""
+    costs = Costs(64, K)
+    # verify: 10 ms a call plus 0.1 a token, draft 1 ms a call: at 4 rows drafting gains a little
+    costs.table = CostTable(np.concatenate([[0.0], 10.0 + 0.1 * np.arange(1, 64)]),
+                            np.full(K + 2, 1.0) * (np.arange(K + 2) > 0))
+    tuning = replace(RuntimeTuning(), plain_check_every=0, explore_budget=0.0)
+    free = DepthPlanner(K, tuning, AdaptiveController(), switch_calls=0.0)
+    assert free.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps > 0
+    priced = DepthPlanner(K, tuning, AdaptiveController(), switch_calls=tuning.switch_calls)
+    assert priced.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps == 0  # a horizon of one step
+    assert priced.plan_for(4, 4, costs.for_step(4, 0)).steps > 0  # spread over plan_every steps it pays
+    assert priced.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps > 0  # drafting: no switch to pay
+
+
 def test_the_planner_reads_joining_prompts_off_the_batch():
     costs = Costs(64, K)
     costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.01) * (np.arange(K + 2) > 0))

@@ -175,6 +175,14 @@ class RuntimeTuning:
     plan_every: int = 8
     """Steps a draft-depth plan is reused per batch shape before it is made again."""
 
+    switch_calls: float = 2.5
+    """What a switch from plain decoding to verifying and back costs, in plain calls of the step's width, where
+    the backend runs plain decoding on a graph of its own (ONNX Runtime's decoding graph): after a drafting
+    step at 4 requests the decoding graph's next calls took 1.9, 1.5, 1.3, 1.15 and 1.03x their settled time
+    (16 requests: 1.9, 1.35, 1.25, 1.1), and the verify graph's first call after plain ones ~1.3x its own.
+    The depth planner charges it to a stretch of drafting that starts from plain decoding (over the plan's
+    horizon) and to each exploration. 0: unpriced."""
+
     plan_headroom: int = 1
     """Draft steps planned beyond the prior's optimum, so live survivals can ask for more. More headroom
     drafts tokens the solver may not verify."""
@@ -321,7 +329,8 @@ def _check(owner, name: str, value) -> str | None:
         return "must be a number"
     if base in _FRACTIONS:
         return None if 0 < value <= 1 else "must be in (0, 1]"
-    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up", "plain_check_every", "settle_calls"):
+    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up", "plain_check_every", "settle_calls",
+                "switch_calls"):
         return None if value >= 0 else "must be >= 0"
     if base == "bound_high":
         return None if value >= 1 else "must be >= 1"

@@ -35,22 +35,27 @@ class DepthPlan(NamedTuple):
 class _CachedPlan(NamedTuple):
     """A cached draft-depth plan of one batch shape."""
 
-    depth: int  # best draft depth by the cost model
+    depth: int  # best draft depth by the cost model, drafting already (its graph running)
+    start_depth: int  # the same from plain decoding: a switch of graphs to pay first
     until: int  # the planner's step count at which it is made again
     moves: int  # the cost model's moves when it was made (CostTable.moves): made again once they change
     plain_ms: float  # modelled ms of a step without drafting
-    explore_ms: float  # modelled extra ms of an exploring step (one draft call, verify one more token a row)
+    explore_ms: float  # modelled extra ms of exploring (one draft call, verify one more token a row, a switch)
 
 
 class DepthPlanner:
     """Call order: ``plan(batch, cost)`` once per step (``plan_for`` with explicit counts)."""
 
-    def __init__(self, max_draft: int, tuning, controller, sequential: bool = True, catch_up_ms=None):
+    def __init__(self, max_draft: int, tuning, controller, sequential: bool = True, catch_up_ms=None,
+                 switch_calls: float = 0.0):
         """sequential: a depth of j costs j draft calls (classic drafter); else one call at any depth (DSpark).
         catch_up_ms: the drafter's modelled ms of catching up a list of requests (what exploring them costs
-        before their draft call); None: nothing."""
+        before their draft call); None: nothing. switch_calls: what switching from plain decoding to
+        verifying and back costs, in plain calls of the width (tuning.switch_calls where the backend runs
+        plain decoding on a graph of its own, else 0)."""
         self.max_draft, self.tuning, self.controller = max_draft, tuning, controller
-        self.sequential, self.catch_up_ms = sequential, catch_up_ms
+        self.sequential, self.catch_up_ms, self.switch_calls = sequential, catch_up_ms, switch_calls
+        self._drafting = False  # the last step's plan drafted: a stretch of drafting is under way
         self._cache: dict[tuple[int, int, bool], _CachedPlan] = {}
         self._steps = 0  # plans made so far: a cached plan lives for the next plan_every steps, not uses
         self.exploration = ExplorationSchedule(tuning.explore_budget)
@@ -69,6 +74,11 @@ class DepthPlanner:
         """The plan for n_adaptive adaptive requests among n_decode decoding ones; catch_up: a function
         giving the modelled ms of the draft catching them up, asked only when an exploration is near;
         joining: prompts are being fed or held, so more rows decode within a step or two."""
+        plan = self._plan_for(n_adaptive, n_decode, cost, catch_up, joining)
+        self._drafting = plan.steps > 0
+        return plan
+
+    def _plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up, joining: bool) -> DepthPlan:
         if cost.table is None:
             return DepthPlan(self.max_draft)
         self._steps += 1
@@ -84,7 +94,7 @@ class DepthPlanner:
             cached = self._cache[key] = self._best(n_adaptive, n_decode, cost, behind,
                                                    1 if joining else self.tuning.plan_every,
                                                    until=self._steps + self.tuning.plan_every, moves=moves)
-        best = cached.depth
+        best = cached.depth if self._drafting else cached.start_depth
         if best == 0:
             self.plain_checks.idle(n_decode)
             # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
@@ -110,15 +120,28 @@ class DepthPlanner:
         steps at 0.87x plain decoding's tokens per ms. The plan's steps are the horizon while the batch
         keeps its shape; one step while prompts join it: at 16 requests the few rows left decoding while a
         wave of prompts went in planned to draft, each catching up its whole text (8-10 ms), and the
-        next step, full again, did not draft (2-4 such steps a run, each 2-5x a plain step)."""
+        next step, full again, did not draft (2-4 such steps a run, each 2-5x a plain step).
+
+        From plain decoding, drafting first pays a switch of graphs (switch_calls plain calls: the verify
+        graph's first call, and the decoding graph's next few once drafting stops), spread over the horizon
+        too. Unpriced, adaptive drafted one step here and there (explorations, the ramp, lone rows at low
+        load) and each cost about two more plain steps than its model: with fixed:3 run in the same
+        runtime (its settled verify calls priced verifying), 0.92-0.96x `off` at 4 requests, temperature 1.0."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
         explore_draft_ms = draft_ms
+        switch = self.switch_calls * float(verify[0])
         spec += behind_ms / horizon
         if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
             draft_ms, spec = 0.0, spec + draft_ms
-        depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=n_decode - n_adaptive)
+        others = n_decode - n_adaptive
+        depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=others)
+        start = depth
+        if switch > 0 and depth > 0:
+            start, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec + switch / horizon,
+                                        others=others)
         plain_ms = plain + float(verify[0])
-        explore_ms = cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
-        return _CachedPlan(depth, until, moves, plain_ms, explore_ms)
+        explore_ms = (cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
+                      + switch)
+        return _CachedPlan(depth, start, until, moves, plain_ms, explore_ms)
