@@ -110,11 +110,11 @@ class Runtime:
         self.drafter_kind = d.get("kind", "classic")
         self.draft_kv = None  # the classic draft's KV cache (a DSpark drafter keeps its own context cache)
         self.drafter = self._make_drafter(make_cache, kv_dtype)
-        if hasattr(self.target_kv, "slot_major"):  # ORT's decoding graph: its calls span a range of slots
+        decoding_graph = hasattr(self.target_kv, "slot_major")  # ORT: the target decodes on a graph of its own
+        if decoding_graph:  # its calls span a range of slots
             self.admission.move_slot = self._move_slot
-        switches = bool(getattr(backend, "decode", None))  # a decoding graph of its own for plain calls
         self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, self.drafter.sequential,
-                                          self.drafter.catch_up_ms, t.switch_calls if switches else 0.0)
+                                          self.drafter.catch_up_ms, t.switch_calls if decoding_graph else 0.0)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
                                  self.costs, self.metrics)
