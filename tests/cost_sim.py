@@ -14,6 +14,7 @@ import time
 
 import numpy as np
 
+from dspark_trt.runtime.costs.switch import SwitchPrice
 from dspark_trt.runtime.costs.table import CostTable
 
 
@@ -59,7 +60,7 @@ def simulated(rt, monkeypatch, draft_ms, verify_ms, accept=None) -> CostedEngine
     clock = SimClock()
     engines = CostedEngines(rt.backend if accept is None else FakePair(rt, accept), clock, draft_ms, verify_ms)
     rt.drafter.backend = rt.verifier.backend = engines
-    rt.depth_planner.switch_calls = 0.0  # these engines cost by shape alone: no switch of graphs to price
+    rt.costs.switch = SwitchPrice(0.0, 1)  # these engines cost by shape alone: no switch of graphs to price
     monkeypatch.setattr(time, "perf_counter", clock)
     return engines
 

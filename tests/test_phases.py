@@ -16,6 +16,7 @@ import pytest
 from dspark_trt.runtime.config import GenerationConfig, parse_spec
 from dspark_trt.runtime.controller import AdaptiveController
 from dspark_trt.runtime.costs.step import Costs
+from dspark_trt.runtime.costs.switch import SwitchPrice
 from dspark_trt.runtime.costs.table import CostTable
 from dspark_trt.runtime.metrics import Metrics
 from dspark_trt.runtime.phases.admission import Admission, QueueFullError
@@ -160,9 +161,10 @@ def test_drafting_from_plain_decoding_pays_a_switch_of_graphs_that_going_on_draf
     costs.table = CostTable(np.concatenate([[0.0], 10.0 + 0.1 * np.arange(1, 64)]),
                             np.full(K + 2, 1.0) * (np.arange(K + 2) > 0))
     tuning = replace(RuntimeTuning(), plain_check_every=0, explore_budget=0.0)
-    free = DepthPlanner(K, tuning, AdaptiveController(), switch_calls=0.0)
+    free = DepthPlanner(K, tuning, AdaptiveController())
     assert free.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps > 0
-    priced = DepthPlanner(K, tuning, AdaptiveController(), switch_calls=tuning.switch_calls)
+    costs.switch = SwitchPrice(tuning.switch_calls, tuning.settle_calls)
+    priced = DepthPlanner(K, tuning, AdaptiveController())
     assert priced.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps == 0  # a horizon of one step
     assert priced.plan_for(4, 4, costs.for_step(4, 0)).steps > 0  # spread over plan_every steps it pays
     assert priced.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps > 0  # drafting: no switch to pay

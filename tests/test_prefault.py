@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dspark_trt.runtime import prefault as pf
+from dspark_trt.runtime.costs.switch import SwitchPrice
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
 
@@ -120,7 +121,7 @@ def test_no_cost_is_learned_from_timings_taken_while_the_caches_are_being_mapped
         rt.persist_profile = False
         rt.cost = profile_table(lambda rows, tokens: 0.05, lambda rows, tokens: 2.0 + 0.01 * tokens,
                                 rt.max_batch, 64, rt)
-        rt.depth_planner.switch_calls = 0.0  # made-up costs: drafting must start at once, prompts joining or not
+        rt.costs.switch = SwitchPrice(0.0, 1)  # made-up costs: drafting must start at once, prompts joining or not
         prompts = [[5 + i] + list(range(7, 27)) for i in range(2)]  # longer than a drafting call takes in
         config = GenerationConfig(max_new_tokens=12, spec="adaptive")
         rt.generate(prompts, config)

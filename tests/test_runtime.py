@@ -213,13 +213,13 @@ def test_when_drafting_does_not_pay_exploration_drafts_one_token_now_and_then_wi
         rt.cost = CostTable(np.arange(64, dtype=float) + 10.0, np.full(9, 30.0) * (np.arange(9) > 0))
         cost = rt.costs.for_step(8, 0)
         plans = [rt.depth_planner.plan_for(8, 8, cost) for _ in range(400)]
-        switch = rt.depth_planner.switch_calls  # ONNX Runtime's decoding graph: a switch of graphs to price
+        switch = rt.costs.switch.calls  # ONNX Runtime's decoding graph: a switch of graphs to price
     finally:
         rt.close()
     explored = [p for p in plans if p.exploring]
     assert all(p.steps == 1 for p in explored) and all(p.steps == 0 for p in plans if not p.exploring)
     plain_ms, explore_ms = explored[0].plain_ms, explored[0].explore_ms
-    # verify 8 tokens; + a draft call, 8 more tokens and the switch of graphs (switch_calls plain calls)
+    # verify 8 tokens; + a draft call, 8 more tokens and the switch of graphs (costs/switch.py, in plain calls)
     assert (plain_ms, explore_ms) == (18.0, 38.0 + switch * 18.0)
     # The schedule's modelled cost stays within the budget of the plain steps' time, and it does explore.
     assert 3 <= len(explored) and len(explored) * explore_ms <= t.explore_budget * len(plans) * plain_ms

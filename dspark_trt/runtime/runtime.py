@@ -21,6 +21,7 @@ from dspark_trt.manifest import Manifest, load_manifest
 from dspark_trt.runtime.config import GenerationConfig
 from dspark_trt.runtime.controller import AdaptiveController
 from dspark_trt.runtime.costs.step import Costs
+from dspark_trt.runtime.costs.switch import SwitchPrice
 from dspark_trt.runtime.kv_cache import KVCache, kv_numpy_dtype
 from dspark_trt.runtime.memory_plan import plan_for
 from dspark_trt.runtime.metrics import Metrics
@@ -113,8 +114,9 @@ class Runtime:
         decoding_graph = hasattr(self.target_kv, "slot_major")  # ORT: the target decodes on a graph of its own
         if decoding_graph:  # its calls span a range of slots
             self.admission.move_slot = self._move_slot
+        self.costs.switch = SwitchPrice(t.switch_calls if decoding_graph else 0.0, t.settle_calls)
         self.depth_planner = DepthPlanner(self.max_draft, t, self.controller, self.drafter.sequential,
-                                          self.drafter.catch_up_ms, t.switch_calls if decoding_graph else 0.0)
+                                          self.drafter.catch_up_ms)
         self.verify_planner = VerifyPlanner(self.max_draft, t, self.controller, self.survival_correction, self.costs)
         self.verifier = Verifier(backend, self.target_kv, t, (self.vocab, self.max_tokens_per_step, self.query_len_max),
                                  self.costs, self.metrics)

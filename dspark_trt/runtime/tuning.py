@@ -181,7 +181,8 @@ class RuntimeTuning:
     step at 4 requests the decoding graph's next calls took 1.9, 1.5, 1.3, 1.15 and 1.03x their settled time
     (16 requests: 1.9, 1.35, 1.25, 1.1), and the verify graph's first call after plain ones ~1.3x its own.
     The depth planner charges it to a stretch of drafting that starts from plain decoding (over the plan's
-    horizon) and to each exploration. 0: unpriced."""
+    horizon) and to each exploration. The starting point only: the runtime learns the price from the calls
+    after each switch (costs/switch.py), this counting as a few switches. 0: unpriced until learned."""
 
     plan_headroom: int = 1
     """Draft steps planned beyond the prior's optimum, so live survivals can ask for more. More headroom

@@ -14,6 +14,7 @@ import numpy as np
 
 from dspark_trt.runtime.costs.call_shape import packed_shape
 from dspark_trt.runtime.costs.overhead import OverheadByLoad
+from dspark_trt.runtime.costs.switch import SwitchPrice
 from dspark_trt.runtime.solver import even_spread
 from dspark_trt.runtime.tuning import RuntimeTuning
 
@@ -25,6 +26,7 @@ class Costs:
         self.max_tokens_per_step, self.max_draft = max_tokens_per_step, max_draft
         self.table = None  # CostTable | None
         self.overhead = OverheadByLoad(overhead_window)
+        self.switch = SwitchPrice(0.0, 1)  # what a switch of graphs costs (Runtime sets the prior where there are any)
         self.rate = 0.0  # recent output tokens per ms of step time (EW)
         self.tau_row = 0.0  # recent tokens a decoding request emits per step (EW)
         self.break_even = 0.0  # break-even (corrected) survival of the last solve

@@ -46,15 +46,12 @@ class _CachedPlan(NamedTuple):
 class DepthPlanner:
     """Call order: ``plan(batch, cost)`` once per step (``plan_for`` with explicit counts)."""
 
-    def __init__(self, max_draft: int, tuning, controller, sequential: bool = True, catch_up_ms=None,
-                 switch_calls: float = 0.0):
+    def __init__(self, max_draft: int, tuning, controller, sequential: bool = True, catch_up_ms=None):
         """sequential: a depth of j costs j draft calls (classic drafter); else one call at any depth (DSpark).
         catch_up_ms: the drafter's modelled ms of catching up a list of requests (what exploring them costs
-        before their draft call); None: nothing. switch_calls: what switching from plain decoding to
-        verifying and back costs, in plain calls of the width (tuning.switch_calls where the backend runs
-        plain decoding on a graph of its own, else 0)."""
+        before their draft call); None: nothing."""
         self.max_draft, self.tuning, self.controller = max_draft, tuning, controller
-        self.sequential, self.catch_up_ms, self.switch_calls = sequential, catch_up_ms, switch_calls
+        self.sequential, self.catch_up_ms = sequential, catch_up_ms
         self._drafting = False  # the last step's plan drafted: a stretch of drafting is under way
         self._cache: dict[tuple[int, int, bool], _CachedPlan] = {}
         self._steps = 0  # plans made so far: a cached plan lives for the next plan_every steps, not uses
@@ -122,16 +119,16 @@ class DepthPlanner:
         wave of prompts went in planned to draft, each catching up its whole text (8-10 ms), and the
         next step, full again, did not draft (2-4 such steps a run, each 2-5x a plain step).
 
-        From plain decoding, drafting first pays a switch of graphs (switch_calls plain calls: the verify
-        graph's first call, and the decoding graph's next few once drafting stops), spread over the horizon
-        too. Unpriced, adaptive drafted one step here and there (explorations, the ramp, lone rows at low
+        From plain decoding, drafting first pays a switch of graphs (costs/switch.py, in plain calls: the
+        verify graph's first call, and the decoding graph's next few once drafting stops), spread over the
+        horizon too. Unpriced, adaptive drafted one step here and there (explorations, the ramp, lone rows at low
         load) and each cost about two more plain steps than its model: with fixed:3 run in the same
         runtime (its settled verify calls priced verifying), 0.92-0.96x `off` at 4 requests, temperature 1.0."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
         explore_draft_ms = draft_ms
-        switch = self.switch_calls * float(verify[0])
+        switch = cost.costs.switch.calls * float(verify[0])  # costs/switch.py
         spec += behind_ms / horizon
         if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
             draft_ms, spec = 0.0, spec + draft_ms

@@ -48,6 +48,7 @@ class Verifier:
         self.vocab, self.max_tokens_per_step, self.query_len_max = limits
         self._zeros: np.ndarray | None = None  # see _zero_probs
         self._graph, self._same = None, 0  # the graph of the last target call, and its calls before in a row
+        self._prompts = False  # the last target call fed a prompt chunk
 
     def run(self, batch, drafted, plan) -> VerifyResult | None:
         """The target step; None when nothing was fed (no decode row and no room for a prompt chunk)."""
@@ -87,7 +88,7 @@ class Verifier:
             # a prompt chunk packed among decode rows (the rows before nd): its padding shows (call_shape.py)
             outs, ms, tokens, m, full, synced = self._call([order[i] for i in g], [queries[i] for i in g],
                                                            [past_lens[i] for i in g], [vlens[i] for i in g],
-                                                           drafts, g.start < nd < g.stop)
+                                                           drafts, g.start < nd < g.stop, g.stop > nd)
             accepted[g.start:g.stop] = outs["accepted"]
             next_tok[g.start:g.stop] = outs["next_token"]
             if "aux_hidden" in outs:
@@ -107,10 +108,10 @@ class Verifier:
                             aux, switch)
 
     def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
-              drafts: dict, chunk_among: bool = False):
+              drafts: dict, chunk_among: bool = False, prompts: bool = False):
         """One target call over these rows; returns (outputs, engine ms, tokens, verified rows, full ms, ms of it
         spent syncing a cache copy). chunk_among: the call packs a prompt chunk among decode rows (observed
-        every time)."""
+        every time); prompts: it feeds a prompt chunk."""
         tv = time.perf_counter()  # the call's full cost: feeds, engine, KV write (a cache copy's sync aside)
         synced = getattr(self.kv, "sync_ms", 0.0)  # a MirroredKVCache's running total
         slots = [r.slot for r in order]
@@ -153,16 +154,25 @@ class Verifier:
         synced = getattr(self.kv, "sync_ms", 0.0) - synced
         full = (time.perf_counter() - tv) * 1e3 - synced
         table = self.costs.table
+        shape = table.call_shape if table is not None else None
+        switch = self.costs.switch
+        if shape is not None and self.costs.learning and (self._same == 0 or switch.listening):
+            # Before the call teaches the model: its excess over the model is the switch's price.
+            call = packed_shape([len(q) for q in queries], past_lens)
+            _, rows, longest, past = call
+            switch.observe(self._same == 0, longest == 1,
+                           not prompts and not (self._same == 0 and self._prompts) and shape.observed(rows, longest == 1),
+                           full - shape.ms(*call), synced, shape.ms(rows, rows, 1, past))
+        self._prompts = prompts
         if table is not None and self.costs.observing:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
             # writes grow with the tokens verified too.
             table.observe_verify(tokens, full)
-        if table is not None and table.call_shape is not None and self.costs.learning:
+        if shape is not None and self.costs.learning:
             # Every call, unlike the tables (a feed rebuilds them): a few float operations, and at 64 requests
             # a bench run makes ~100 calls of full width, of which one in cost_observe_every taught the
             # plain and verify offsets too little to tell plain from drafting.
-            table.call_shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among,
-                                     settled=settled)
+            shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among, settled=settled)
         return outs, ms, tokens, int(m), full, synced
 
     def _zero_probs(self, rows: int) -> np.ndarray:
