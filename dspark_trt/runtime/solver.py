@@ -425,14 +425,20 @@ def best_draft_depth(profile, n_adaptive: int, verify_ms, draft_ms: float, plain
     belong in verify_ms and the gain's constant: ``others``, the tokens they emit (N counts every row
     that emits a token, as in the budget solver).
     """
-    prof = np.asarray(profile, dtype=np.float64)
-    k = prof.size
-    j = np.arange(k + 1)
-    gain = float(others) + n_adaptive * (1.0 + np.concatenate([[0.0], np.cumsum(prof)]))
-    cost = np.where(j > 0, spec_ms, plain_ms) + j * float(draft_ms) + np.asarray(verify_ms, dtype=np.float64)
-    rate = gain / np.maximum(cost, 1e-9)
-    ratio = float(rate[1:].max() / rate[0]) if k and rate[0] > 0 else 0.0
-    return int(np.argmax(rate)), ratio
+    # Plain Python: a few entries, asked every few steps between engine calls, where numpy's per-call cost
+    # (cold caches after the engine ran) made the planner ~100 us a plan.
+    prof = profile.tolist() if hasattr(profile, "tolist") else list(profile)
+    verify = verify_ms.tolist() if hasattr(verify_ms, "tolist") else list(verify_ms)
+    others, draft_ms, spec_ms = float(others), float(draft_ms), float(spec_ms)
+    rate0 = (others + n_adaptive) / max(float(plain_ms) + verify[0], 1e-9)
+    best, best_rate, top, kept = 0, rate0, 0.0, 0.0
+    for j in range(1, len(prof) + 1):
+        kept += prof[j - 1]
+        rate = (others + n_adaptive * (1.0 + kept)) / max(spec_ms + j * draft_ms + verify[j], 1e-9)
+        top = max(top, rate)
+        if rate > best_rate:
+            best, best_rate = j, rate
+    return best, (top / rate0 if prof and rate0 > 0 else 0.0)
 
 
 def even_spread(n: int, rows: int) -> tuple[np.ndarray, np.ndarray]:

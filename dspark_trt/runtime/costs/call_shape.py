@@ -216,6 +216,22 @@ class CallShapeCost:
         base = (c0 + c2 * rows * past / 100.0) + c1 * tokens + (c3 * rows / 1000.0) * longest * (past + longest)
         return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
 
+    def depth_table(self, base: int, n_deep: int, past: int, max_depth: int) -> list[float]:
+        """:meth:`table` of one call at depths j = 0..max_depth: `base` rows verify one token, `n_deep` rows
+        1 + j. In plain Python: a few entries, asked between engine calls, where numpy's per-call cost was
+        most of the draft-depth planner's time."""
+        c0, c1, c2, c3 = self.coef.tolist()
+        rows = base + n_deep
+        w = load_bucket(rows)
+        plain, deep = math.exp(self._kind_drift(w, False)), math.exp(self._kind_drift(w, True))
+        const, pad = c0 + c2 * rows * past / 100.0, c3 * rows / 1000.0
+        out, top = [], 0.0
+        for j in range(max_depth + 1):
+            q = 1 + j
+            top = max(top, (const + c1 * (base + n_deep * q) + pad * q * (past + q)) * (deep if j else plain))
+            out.append(top)
+        return out
+
     def observe(self, tokens: int, rows: int, longest: int, past: int, ms: float, chunk_among_rows=False,
                 settled: bool = True) -> None:
         """Feed back a measured call: its kind's level at its width follows observed / predicted (bounded).

@@ -88,13 +88,13 @@ class StepCost:
         """Recent unpriced ms of a step without ("plain") or with ("spec") drafting at this load."""
         return self.costs.overhead(kind, self.n_decode)
 
-    def depth_verify_ms(self, base: int, n_adaptive: int) -> np.ndarray:
-        """Verify call ms at draft depth j = 0..max_draft: `base` rows verify one token, `n_adaptive`
-        rows 1 + j (every adaptive row padded to 1 + j)."""
-        j = np.arange(self.costs.max_draft + 1)
+    def depth_verify_ms(self, base: int, n_adaptive: int):
+        """Verify call ms at draft depth j = 0..max_draft (a list, or an array without a call-shape model):
+        `base` rows verify one token, `n_adaptive` rows 1 + j (every adaptive row padded to 1 + j)."""
         shape = self.costs.shape
         if shape is not None:
-            return shape.table(base + n_adaptive * (1 + j), self.n_decode, 1 + j, self.past)
+            return shape.depth_table(base, n_adaptive, self.past, self.costs.max_draft)
+        j = np.arange(self.costs.max_draft + 1)
         return np.asarray(self.table.verify_ms(base + n_adaptive * (1 + j)), dtype=np.float64)
 
     def verify_table(self, extra_tokens: int, rows: int = 0) -> np.ndarray:

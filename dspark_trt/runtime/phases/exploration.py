@@ -37,10 +37,14 @@ __all__ = ["ExplorationSchedule"]
 
 
 class _Load:
-    __slots__ = ("credit", "count", "confirmed")
+    __slots__ = ("credit", "count", "confirmed", "need")
 
     def __init__(self):
         self.credit = 0.0  # ms exploration may still spend
+        # What the last look found an exploration would cost, its catch-up included: the catch-up only grows
+        # while nothing drafts, so it is asked again once the credit covers this (asked every step, it was
+        # a fifth of the draft-depth planner's time).
+        self.need = 0.0
         self.count = 0  # explorations so far
         self.confirmed = 0  # explorations that confirmed the plan not to draft
 
@@ -77,11 +81,13 @@ class ExplorationSchedule:
         load = self._load(n_decode)
         load.credit += self.share(n_decode) * max(plain_ms, 0.0)
         cost = max(explore_ms, 0.0)
-        if load.credit < cost:
+        if load.credit < max(cost, load.need):
             return None
         cost += max(0.0, catch_up_ms() if callable(catch_up_ms) else catch_up_ms)
         if load.credit < cost:
+            load.need = cost
             return None
+        load.need = 0.0
         # Credit left over is dropped: saved up while the catch-up was dear (long histories), it would
         # otherwise pay for a burst of explorations once it is cheap (new requests).
         load.credit = min(0.0, load.credit - cost)
