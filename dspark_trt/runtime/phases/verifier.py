@@ -155,10 +155,11 @@ class Verifier:
         full = (time.perf_counter() - tv) * 1e3 - synced
         table = self.costs.table
         shape = table.call_shape if table is not None else None
+        learning = shape is not None and self.costs.learning
+        call = packed_shape([len(q) for q in queries], past_lens) if learning else None
         switch = self.costs.switch
-        if shape is not None and self.costs.learning and (self._same == 0 or switch.listening):
+        if learning and (self._same == 0 or switch.listening):
             # Before the call teaches the model: its excess over the model is the switch's price.
-            call = packed_shape([len(q) for q in queries], past_lens)
             _, rows, longest, past = call
             switch.observe(self._same == 0, longest == 1,
                            not prompts and not (self._same == 0 and self._prompts) and shape.observed(rows, longest == 1),
@@ -168,11 +169,11 @@ class Verifier:
             # The full call, not just the engine: the solver trades real milliseconds, and feeds and KV
             # writes grow with the tokens verified too.
             table.observe_verify(tokens, full)
-        if shape is not None and self.costs.learning:
+        if learning:
             # Every call, unlike the tables (a feed rebuilds them): a few float operations, and at 64 requests
             # a bench run makes ~100 calls of full width, of which one in cost_observe_every taught the
             # plain and verify offsets too little to tell plain from drafting.
-            shape.observe(*packed_shape([len(q) for q in queries], past_lens), full, chunk_among, settled=settled)
+            shape.observe(*call, full, chunk_among, settled=settled)
         return outs, ms, tokens, int(m), full, synced
 
     def _zero_probs(self, rows: int) -> np.ndarray:
