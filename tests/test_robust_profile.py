@@ -270,3 +270,22 @@ def test_a_saved_profile_keeps_the_call_shape_coefficients_whatever_each_width_l
     level = saved.coef[0] / coef[0]
     np.testing.assert_allclose(saved.coef, level * coef, rtol=1e-6)
     assert level == pytest.approx(np.exp(model.log_drift), rel=1e-6)
+
+
+def test_the_quick_profiles_draft_points_keep_the_least_of_several_timings(monkeypatch):
+    """Beside a CPU hog a first load's single draft timing read a 1-row call at 3.58 ms against 0.42 quiet, and
+    adaptive did not draft at all in that run. Draft calls are cheap whatever the target's size, so the quick
+    profile times each draft point several times (after a warm-up) and keeps the least."""
+    now = [0.0]
+    ms = iter([50.0, 3.6, 0.45, 3.6, 0.5, 0.42,  # 1 row: warm-up, then five timings, two stalled
+               60.0, 9.0, 1.1, 1.0, 9.5, 1.2])  # 8 rows
+    assert profiling.QUICK_DRAFT_TIMINGS == 5
+
+    def draft_call(rt, batch):
+        def call():
+            now[0] += next(ms) / 1e3
+        return call
+
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(profiling, "_draft_call", draft_call)
+    assert profiling._probe_draft(SimpleNamespace(), [1, 8]) == pytest.approx([0.42, 1.0])
