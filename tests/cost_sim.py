@@ -57,6 +57,10 @@ class CostedEngines:
 def simulated(rt, monkeypatch, draft_ms, verify_ms, accept=None) -> CostedEngines:
     """Run rt's engine calls at these true costs (callables of (rows, tokens) -> ms) on a simulated clock;
     with `accept` (conditional acceptance by draft position) on FakePair engines instead of rt's own."""
+    # Nothing is learned while the host caches are still being mapped (Runtime.step): a real thread whose
+    # timing would otherwise decide how soon a simulated run starts learning (a CI run read the truth's rate
+    # in test_cost_recovery 3% above its usual and failed a 0.93 bound).
+    rt.wait_prefaulted()
     clock = SimClock()
     engines = CostedEngines(rt.backend if accept is None else FakePair(rt, accept), clock, draft_ms, verify_ms)
     rt.drafter.backend = rt.verifier.backend = engines

@@ -33,10 +33,6 @@ def run(artifact, monkeypatch, profile_draft=true_draft, profile_verify=true_ver
     """Generate from PROMPTS on the simulated engines, the runtime starting from the given profile.
     Returns (outputs, simulated ms, per-step log, cost drift, the runtime's exploration report)."""
     rt = Runtime.load(artifact, profile="none", tuning=tuning)
-    # Nothing is learned while the host caches are still being mapped (Runtime.step): a real thread whose
-    # timing would otherwise decide how soon the simulated run starts learning (a CI run under memory
-    # pressure read the truth's rate 3% above its usual and failed a 0.93 bound).
-    rt.wait_prefaulted()
     try:
         with monkeypatch.context() as mp:
             engines = simulated(rt, mp, draft, verify, accept=ACCEPT)
