@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dspark_trt.runtime.controller import AdaptiveController
-from dspark_trt.runtime.costs.call_shape import SWITCH_PRICE, CallShapeCost, features
+from dspark_trt.runtime.costs.call_shape import SWITCH_EXTRA, CallShapeCost, features
 from dspark_trt.runtime.costs.step import Costs
 from dspark_trt.runtime.costs.table import CostTable
 from dspark_trt.runtime.phases.depth_planner import DepthPlanner
@@ -66,7 +66,8 @@ def _drafted_a_while() -> CallShapeCost:
 
 def _run(planner, shape, steps=200):
     """Steps at 64 rows as the planner plans them, each call as long as it truly takes, the first SETTLE
-    calls after a switch between plain and verify calls as a switch makes them (1.5x) and marked so."""
+    calls after a switch between plain and verify calls as a switch makes them (half a plain call more) and
+    marked so."""
     plans, last, same = [], None, 0
     for _ in range(steps):
         plan = planner.plan_for(64, 64, _costs_of[id(shape)].for_step(64, 100))
@@ -75,7 +76,8 @@ def _run(planner, shape, steps=200):
         same = same + 1 if (q > 1) == last else 0
         last = q > 1
         settled = same >= SETTLE
-        shape.observe(64 * q, 64, q, 100, _true_ms(64 * q, 64, q, 100) * (1.0 if settled else 1.5), settled=settled)
+        switch = 0.0 if settled else 0.5 * _true_ms(64, 64, 1, 100)
+        shape.observe(64 * q, 64, q, 100, _true_ms(64 * q, 64, q, 100) + switch, settled=settled)
     return plans
 
 
@@ -147,7 +149,11 @@ def test_calls_soon_after_a_switch_of_graphs_teach_nothing_that_a_switch_can_exp
     m.refit_every = 0
     _calls(m, 64, plain=0.8, verify=1.25)
     before, moves = _factors(m), m.moves
-    _calls(m, 40, plain=0.8 * 1.3, verify=1.25 * 1.3, settled=False)  # each right after the other kind
+    plain_call = 0.8 * m.base_ms(64, 64, 1, 100)
+    for q in (1, 3, 7) * 10:  # each right after the other kind, up to a switch's price dearer at any depth
+        factor = 0.8 if q == 1 else 1.25
+        m.observe(64 * q, 64, q, 100, factor * m.base_ms(64 * q, 64, q, 100) + 0.95 * SWITCH_EXTRA * plain_call,
+                  settled=False)
     _calls(m, 40, plain=0.5, verify=0.5, settled=False)  # cheaper: half of any noise would be learned
     assert _factors(m) == pytest.approx(before)
     assert m.moves == moves
@@ -159,9 +165,12 @@ def test_a_call_soon_after_a_switch_dearer_than_a_switch_explains_teaches_the_re
     plain step each) before its first settled call."""
     m = CallShapeCost(PROFILED)
     m.refit_every = 0
-    _calls(m, 1, verify=6.0, settled=False)
-    # what is left once a whole switch's price is taken out, learned as a settled call would be
-    assert _factors(m)[1] == pytest.approx(math.exp(0.5 * math.log(6.0 / SWITCH_PRICE)), rel=0.05)
+    _calls(m, 1, verify=4.0, settled=False)
+    # what is left once a whole switch's price (SWITCH_EXTRA plain calls) is taken out, learned as a settled
+    # call would be
+    verify, plain = m.base_ms(192, 64, 3, 100), m.base_ms(64, 64, 1, 100)
+    left = (4.0 * verify - SWITCH_EXTRA * plain) / verify
+    assert _factors(m)[1] == pytest.approx(math.exp(0.5 * math.log(left)), rel=0.05)
     assert m.moves == 1  # news: plans made before it are made again (depth_planner)
 
 

@@ -96,9 +96,10 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
-# The most a switch of graphs adds to a call (tuning.settle_calls: the first call after one took 1.45x).
-SWITCH_PRICE = 1.5
-SWITCH_LOG = math.log(SWITCH_PRICE)
+# The most a switch of graphs adds to a call, in plain calls of its width (tuning.settle_calls: the first
+# plain call after one took 1.45x its settled time). A plain call's worth, not a share of the call: what a
+# switch costs is the other graph's weights and caches brought back in, the same for a deep call as a shallow one.
+SWITCH_EXTRA = 0.5
 
 
 class CallShapeCost:
@@ -258,13 +259,14 @@ class CallShapeCost:
             return
         x = math.log(ms / pred)
         if not settled:
-            # A switch adds at most SWITCH_PRICE: a call dearer than the model even without that teaches what
-            # is left (a kind priced far too cheaply, such as deep verification under a flat profile, which
-            # drafted 5 deep for 8 steps at 16 requests before the first settled verify call). Cheaper ones
-            # teach nothing: half of any noise would be learned and the other half not.
-            if x - SWITCH_LOG <= own:
+            # A switch adds at most SWITCH_EXTRA plain calls: a call dearer than the model even without that
+            # teaches what is left (a kind priced far too cheaply, such as deep verification under a flat
+            # profile, which drafted 5 deep for 8 steps at 16 requests before the first settled verify call;
+            # taking a switch's price as a share of the call, 1.5x, it still drafted 7 deep for 12 steps at
+            # 2x the model). Cheaper ones teach nothing: half of any noise would be learned and the other not.
+            ms -= SWITCH_EXTRA * self.base_ms(rows, rows, 1, past) * math.exp(self._kind_drift(w, False))
+            if not ms > 0 or (x := math.log(ms / pred)) <= own:
                 return
-            x, ms = x - SWITCH_LOG, ms / SWITCH_PRICE
         if not chunk_among_rows:
             # A level starts from its prior, which counts as one call, and averages its calls until there are
             # 1 / alpha of them (a profile 3x off is caught up with within a dozen calls), then follows them
