@@ -22,9 +22,9 @@ def stretch(price: SwitchPrice, into_verify, into_plain, plain_ms=2.0, synced_ms
     """One stretch of drafting between plain calls: a switch into verifying whose calls took into_verify
     plain calls beyond the model each, then one back into plain decoding alike (the copy's sync on its first)."""
     for i, x in enumerate(into_verify):
-        price.observe(i == 0, False, trusted, x * plain_ms, 0.0, plain_ms)
+        price.observe(i, False, trusted, x * plain_ms, 0.0, plain_ms)
     for i, x in enumerate(into_plain):
-        price.observe(i == 0, True, trusted, x * plain_ms, synced_ms if i == 0 else 0.0, plain_ms)
+        price.observe(i, True, trusted, x * plain_ms, synced_ms if i == 0 else 0.0, plain_ms)
 
 
 def test_a_stretch_is_priced_at_what_the_calls_after_both_its_switches_took_beyond_the_model():

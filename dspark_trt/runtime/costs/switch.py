@@ -37,7 +37,6 @@ class SwitchPrice:
         self.settle_calls, self.alpha = max(1, int(settle_calls)), alpha
         self._into: bool | None = None  # the switch under way: into plain decoding (None: none, or dropped)
         self._units = 0.0  # plain calls it has cost so far
-        self._left = 0  # its calls still to come
 
     @property
     def calls(self) -> float:
@@ -53,23 +52,23 @@ class SwitchPrice:
     def switches(self) -> int:
         return self._count[True] + self._count[False]
 
-    def observe(self, switched: bool, plain: bool, trusted: bool, excess_ms: float, synced_ms: float,
+    def observe(self, since: int, plain: bool, trusted: bool, excess_ms: float, synced_ms: float,
                 plain_ms: float) -> None:
-        """One target call. switched: the first call on its graph since another ran; plain: a plain decoding
+        """One target call. since: calls on its graph before it since another graph ran (0: it is the switch's
+        first; the verifier's count, which also tells the model which calls settled); plain: a plain decoding
         call (one query token a row); trusted: the model prices it well (no prompt chunk, its kind observed
         at its width); excess_ms: its time beyond the model; synced_ms: time spent bringing a cache copy up
         to date for it; plain_ms: the model's plain call of its width."""
-        if switched:
+        if since == 0:
             self._close()  # another switch before it settled: what its calls cost is its price
-            self._into, self._units, self._left = plain, 0.0, self.settle_calls
+            self._into, self._units = plain, 0.0
         if self._into is None:
             return
         if not trusted or not plain_ms > 0:
             self._into = None
             return
         self._units += (excess_ms + synced_ms) / plain_ms
-        self._left -= 1
-        if self._left <= 0:
+        if since + 1 >= self.settle_calls:
             self._close()
 
     def _close(self) -> None:

@@ -161,7 +161,7 @@ class Verifier:
         if learning and (self._same == 0 or switch.listening):
             # Before the call teaches the model: its excess over the model is the switch's price.
             _, rows, longest, past = call
-            switch.observe(self._same == 0, longest == 1,
+            switch.observe(self._same, longest == 1,
                            not prompts and not (self._same == 0 and self._prompts) and shape.observed(rows, longest == 1),
                            full - shape.ms(*call), synced, shape.ms(rows, rows, 1, past))
         self._prompts = prompts
