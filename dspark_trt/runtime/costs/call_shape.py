@@ -80,6 +80,13 @@ def features(tokens, rows, longest, past) -> np.ndarray:
     return np.stack([np.ones_like(n), n, r * p / 100.0, r * q * (p + q) / 1000.0], axis=-1)
 
 
+def call_ms(c, tokens, rows, longest, past, pad=None):
+    """The model's ms of calls before drift correction, from coefficients c (a list of floats where it runs
+    every step); tokens and longest may be arrays. pad: the padded attention's coefficient, if not c[3]."""
+    pad = c[3] if pad is None else pad
+    return c[0] + c[1] * tokens + c[2] * rows * past / 100.0 + pad * rows * longest * (past + longest) / 1000.0
+
+
 def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin ||x c - y|| subject to c >= 0, for a handful of columns (exhaustive over active sets)."""
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
@@ -204,32 +211,28 @@ class CallShapeCost:
 
     def base_ms(self, tokens: int, rows: int, longest: int, past: int, chunk: bool = False) -> float:
         """The fitted model's ms of one call, before drift correction."""
-        c = self.coef
-        pad = max(c[3], self.chunk_padding) if chunk else c[3]
-        return c[0] + c[1] * tokens + c[2] * rows * past / 100.0 + pad * rows * longest * (past + longest) / 1000.0
+        return call_ms(self.coef, tokens, rows, longest, past, max(self.coef[3], self.chunk_padding) if chunk else None)
 
     def table(self, tokens: np.ndarray, rows: int, longest: np.ndarray, past: int) -> np.ndarray:
         """:meth:`ms` over arrays of token counts and longest queries, both non-decreasing, for one set of rows
         (drift-corrected); never decreasing either: the plain calls' level may say a plain call costs more
         than verifying, which no call does."""
-        c0, c1, c2, c3 = self.coef.tolist()  # Python floats: this runs every step, on a few dozen entries
         longest = np.asarray(longest, dtype=np.float64)
-        base = (c0 + c2 * rows * past / 100.0) + c1 * tokens + (c3 * rows / 1000.0) * longest * (past + longest)
+        # Python floats: this runs every step, on a few dozen entries
+        base = call_ms(self.coef.tolist(), np.asarray(tokens, dtype=np.float64), rows, longest, past)
         return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
 
     def depth_table(self, base: int, n_deep: int, past: int, max_depth: int) -> list[float]:
         """:meth:`table` of one call at depths j = 0..max_depth: `base` rows verify one token, `n_deep` rows
         1 + j. In plain Python: a few entries, asked between engine calls, where numpy's per-call cost was
         most of the draft-depth planner's time."""
-        c0, c1, c2, c3 = self.coef.tolist()
+        c = self.coef.tolist()
         rows = base + n_deep
         w = load_bucket(rows)
         plain, deep = math.exp(self._kind_drift(w, False)), math.exp(self._kind_drift(w, True))
-        const, pad = c0 + c2 * rows * past / 100.0, c3 * rows / 1000.0
         out, top = [], 0.0
         for j in range(max_depth + 1):
-            q = 1 + j
-            top = max(top, (const + c1 * (base + n_deep * q) + pad * q * (past + q)) * (deep if j else plain))
+            top = max(top, call_ms(c, base + n_deep * (1 + j), rows, 1 + j, past) * (deep if j else plain))
             out.append(top)
         return out
 
