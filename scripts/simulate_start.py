@@ -26,23 +26,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from cost_sim import SimClock  # noqa: E402  (the tests' simulated clock)
 
 SWITCH_EXTRA = (0.6, 0.3, 0.15)  # plain calls added to the 1st, 2nd, 3rd call after a switch of graphs
 CATCH_UP_MS = 0.004
 PLAIN_HOST = (0.17, 0.014)
 SPEC_HOST = (0.6, 0.04)
-
-
-class SimClock:
-    def __init__(self):
-        self.s = 1000.0
-
-    def __call__(self) -> float:
-        return self.s
-
-    def advance(self, ms: float) -> None:
-        self.s += ms / 1e3
 
 
 class TrueCostEngines:
@@ -59,7 +53,7 @@ class TrueCostEngines:
     def _draft(self, run, feeds, past):
         out = run(feeds, past)
         rows, tokens = len(feeds["query_lens"]), int(feeds["tokens"].shape[0])
-        self.clock.advance(float(self.draft[min(rows, len(self.draft) - 1)]) + CATCH_UP_MS * max(0, tokens - rows))
+        self.clock.advance_ms(float(self.draft[min(rows, len(self.draft) - 1)]) + CATCH_UP_MS * max(0, tokens - rows))
         return out
 
     def run_draft(self, feeds, past):
@@ -81,7 +75,7 @@ class TrueCostEngines:
         if graph is not None and self._same < len(SWITCH_EXTRA):
             plain = self.shape.base_ms(rows, rows, 1, p) * math.exp(self.shape._offset(w, False))
             ms += SWITCH_EXTRA[self._same] * plain
-        self.clock.advance(ms)
+        self.clock.advance_ms(ms)
         return out
 
 
@@ -102,7 +96,7 @@ def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, to
 
     def commit_with_host_time(batch, drafted, result, plan):
         a, b = SPEC_HOST if np.asarray(result.verify_lens).any() else PLAIN_HOST
-        clock.advance(a + b * len(batch.decode))
+        clock.advance_ms(a + b * len(batch.decode))
         return commit(batch, drafted, result, plan)
 
     rt.committer.commit = commit_with_host_time
