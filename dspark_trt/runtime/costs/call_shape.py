@@ -219,7 +219,7 @@ class CallShapeCost:
         than verifying, which no call does."""
         longest = np.asarray(longest, dtype=np.float64)
         # Python floats: this runs every step, on a few dozen entries
-        base = call_ms(self.coef.tolist(), np.asarray(tokens, dtype=np.float64), rows, longest, past)
+        base = call_ms(self.coef.tolist(), tokens, rows, longest, past)
         return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
 
     def depth_table(self, base: int, n_deep: int, past: int, max_depth: int) -> list[float]:
@@ -267,7 +267,7 @@ class CallShapeCost:
             # profile, which drafted 5 deep for 8 steps at 16 requests before the first settled verify call;
             # taking a switch's price as a share of the call, 1.5x, it still drafted 7 deep for 12 steps at
             # 2x the model). Cheaper ones teach nothing: half of any noise would be learned and the other not.
-            ms -= SWITCH_EXTRA * self.base_ms(rows, rows, 1, past) * math.exp(self._kind_drift(w, False))
+            ms -= SWITCH_EXTRA * self.ms(rows, rows, 1, past)
             if not ms > 0 or (x := math.log(ms / pred)) <= own:
                 return
         if not chunk_among_rows:
