@@ -28,6 +28,7 @@ import json
 import math
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -79,17 +80,11 @@ class TrueCostEngines:
         return out
 
 
-def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, tokens: int) -> float:
-    """Simulated output tok/s of one cold run."""
+def on_true_costs(rt, truth) -> SimClock:
+    """Put `rt` in the simulated world: its engine calls and each step's host work advance a new clock by
+    their true cost. Point time.perf_counter at the clock (:func:`simulated_time`) while it runs."""
     import numpy as np
 
-    from dspark_trt.bench.start_profile import cold_runtime
-    from dspark_trt.runtime import GenerationConfig
-
-    base = warm.tuning
-    warm.tuning = tuning
-    rt = cold_runtime(warm, start)
-    warm.tuning = base
     clock = SimClock()
     rt.drafter.backend = rt.verifier.backend = TrueCostEngines(rt.backend, clock, truth)
     commit = rt.committer.commit
@@ -100,18 +95,39 @@ def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, to
         return commit(batch, drafted, result, plan)
 
     rt.committer.commit = commit_with_host_time
+    return clock
+
+
+@contextmanager
+def simulated_time(clock: SimClock):
     real_clock, time.perf_counter = time.perf_counter, clock
     try:
-        rt.admission.max_batch = concurrency
-        cfg = GenerationConfig(max_new_tokens=tokens, spec=mode, stop_at_eos=False)
-        with rt._lock:  # every request queued before the first step: no thread timing in the result
-            reqs = [rt.submit(prompts[i % len(prompts)].ids, cfg) for i in range(max(64, 3 * concurrency))]
-        t0 = clock()
-        for r in reqs:
-            r.done.wait()
-        ms = (clock() - t0) * 1e3
+        yield
     finally:
         time.perf_counter = real_clock
+
+
+def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, tokens: int) -> float:
+    """Simulated output tok/s of one cold run."""
+    from dspark_trt.bench.start_profile import cold_runtime
+    from dspark_trt.runtime import GenerationConfig
+
+    base = warm.tuning
+    warm.tuning = tuning
+    rt = cold_runtime(warm, start)
+    warm.tuning = base
+    clock = on_true_costs(rt, truth)
+    try:
+        with simulated_time(clock):
+            rt.admission.max_batch = concurrency
+            cfg = GenerationConfig(max_new_tokens=tokens, spec=mode, stop_at_eos=False)
+            with rt._lock:  # every request queued before the first step: no thread timing in the result
+                reqs = [rt.submit(prompts[i % len(prompts)].ids, cfg) for i in range(max(64, 3 * concurrency))]
+            t0 = clock()
+            for r in reqs:
+                r.done.wait()
+            ms = (clock() - t0) * 1e3
+    finally:
         rt.close()
     return sum(len(r.generated_ids) for r in reqs) / ms * 1e3
 

@@ -217,3 +217,31 @@ def test_from_a_flat_profile_a_prompt_chunk_packed_among_decode_rows_teaches_the
         assert rt.result(late).token_ids == alone.token_ids
     finally:
         rt.close()
+
+
+def test_the_simulated_open_loop_gives_the_same_run_every_time_on_its_own_clock(tiny_artifact, good_profile):
+    """scripts/simulate_open.py: real engine calls, the true profile's time. Two runs of one schedule give the
+    same records whatever the machine does meanwhile; requests wait for their arrival, and an idle runtime's
+    clock jumps to the next one."""
+    spec = importlib.util.spec_from_file_location("simulate_open", ROOT / "scripts" / "simulate_open.py")
+    sim = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sim)
+    from dspark_trt.bench.start_profile import runtime_from
+    from dspark_trt.bench.workload import build_requests, parse_temperature, parse_workload
+    from dspark_trt.runtime.costs.table import CostTable
+
+    truth = CostTable.load(good_profile)
+    warm = runtime_from(tiny_artifact, "ort", good_profile)
+    try:
+        items = build_requests(parse_workload("short:prompt=8-32,out=6-12"), 5, warm.tokenizer.encode, 0,
+                               warm.max_context, parse_temperature("0:0.5,1.0:0.5"))
+        arrivals = np.array([0.0, 0.0005, 0.001, 0.002, 5.0])  # the last comes long after the others finished
+        first, wall = sim.run(warm, good_profile, truth, items, arrivals, "adaptive")
+        again = sim.run(warm, good_profile, truth, items, arrivals, "adaptive")
+    finally:
+        warm.close()
+    assert (first, wall) == again
+    assert all(r["ok"] and r["generated_tokens"] == it.max_tokens for r, it in zip(first, items))
+    assert all(r["arrival_s"] <= r["admitted_s"] < r["token_times_s"][0] for r in first)
+    assert max(r["token_times_s"][-1] for r in first[:4]) < 5.0 < first[4]["token_times_s"][0] < 5.5
+    assert wall == first[4]["token_times_s"][-1]
