@@ -16,6 +16,7 @@ import pytest
 from dspark_trt.runtime.config import GenerationConfig, parse_spec
 from dspark_trt.runtime.controller import AdaptiveController
 from dspark_trt.runtime.costs.step import Costs
+from dspark_trt.runtime.costs.overhead import load_bucket
 from dspark_trt.runtime.costs.switch import SwitchPrice
 from dspark_trt.runtime.costs.table import CostTable
 from dspark_trt.runtime.metrics import Metrics
@@ -168,6 +169,46 @@ def test_drafting_from_plain_decoding_pays_a_switch_of_graphs_that_going_on_draf
     assert priced.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps == 0  # a horizon of one step
     assert priced.plan_for(4, 4, costs.for_step(4, 0)).steps > 0  # spread over plan_every steps it pays
     assert priced.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps > 0  # drafting: no switch to pay
+
+
+def test_a_switch_into_drafting_is_spread_over_how_long_stretches_of_drafting_have_lasted_at_the_load():
+    """Whether a stretch of drafting pays for its switch of graphs depends on how long it lasts. In an open
+    loop at half the capacity stretches at 2-3 rows last until requests come or go, far beyond the plan's 8
+    steps; spread over those 8 they did not start (TPOT p50 1.05x fixed:3's, scripts/simulate_open.py).
+    Per load: learned from all loads alike, at capacity the long stretches of its lulls started ones that
+    did not last (TPOT p50 1% worse there). Stretches that end after a step bring the horizon back down."""
+    def table(per_token: float) -> CostTable:  # verify: 10 ms a call plus per_token a token; draft 1 ms a call
+        return CostTable(np.concatenate([[0.0], 10.0 + per_token * np.arange(1, 64)]),
+                         np.full(K + 2, 1.0) * (np.arange(K + 2) > 0))
+
+    costs = Costs(64, K)
+    tuning = replace(RuntimeTuning(), plain_check_every=0, explore_budget=0.0)
+    costs.switch = SwitchPrice(tuning.switch_calls, tuning.settle_calls)
+    planner = DepthPlanner(K, tuning, AdaptiveController())
+
+    def plain() -> None:  # no adaptive row: a stretch under way ends, and the plans made age out
+        for _ in range(tuning.plan_every):
+            assert planner.plan_for(0, 4, costs.for_step(4, 0)).steps == 0
+
+    def stretches(length: int, times: int) -> None:
+        costs.table = table(0.1)  # drafting pays at 4 rows whatever the switch
+        for _ in range(times):
+            plain()
+            for _ in range(length):
+                assert planner.plan_for(4, 4, costs.for_step(4, 0)).steps > 0
+        plain()
+        costs.table = table(2.0)  # at 4 rows drafting gains a little a step
+
+    costs.table = table(2.0)
+    assert planner.plan_for(4, 4, costs.for_step(4, 0)).steps == 0  # 8 steps do not pay the switch
+    stretches(60, 12)
+    assert planner.stretch_steps(load_bucket(4)) > 40
+    assert planner.stretch_steps(load_bucket(16)) == tuning.plan_every  # other loads: as they were
+    assert planner.plan_for(4, 4, costs.for_step(4, 0), joining=True).steps == 0  # prompts joining: one step
+    assert planner.plan_for(4, 4, costs.for_step(4, 0)).steps > 0
+    stretches(1, 10)
+    assert planner.stretch_steps(load_bucket(4)) < tuning.plan_every
+    assert planner.plan_for(4, 4, costs.for_step(4, 0)).steps == 0
 
 
 def test_the_planner_reads_joining_prompts_off_the_batch():

@@ -180,9 +180,10 @@ class RuntimeTuning:
     the backend runs plain decoding on a graph of its own (ONNX Runtime's decoding graph): after a drafting
     step at 4 requests the decoding graph's next calls took 1.9, 1.5, 1.3, 1.15 and 1.03x their settled time
     (16 requests: 1.9, 1.35, 1.25, 1.1), and the verify graph's first call after plain ones ~1.3x its own.
-    The depth planner charges it to a stretch of drafting that starts from plain decoding (over the plan's
-    horizon) and to each exploration. The starting point only: the runtime learns the price from the calls
-    after each switch (costs/switch.py), this counting as a few switches. 0: unpriced until learned."""
+    The depth planner charges it to a stretch of drafting that starts from plain decoding (over the steps such
+    stretches lasted at the load, plan_every until one ends) and to each exploration. The starting point only:
+    the runtime learns the price from the calls after each switch (costs/switch.py), this counting as a few
+    switches. 0: unpriced until learned."""
 
     plan_headroom: int = 1
     """Draft steps planned beyond the prior's optimum, so live survivals can ask for more. More headroom

@@ -14,11 +14,14 @@ from typing import NamedTuple
 
 import numpy as np
 
+from dspark_trt.runtime.costs.overhead import load_bucket
 from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 from dspark_trt.runtime.phases.plain_check import PlainCheckSchedule
 from dspark_trt.runtime.solver import best_draft_depth
 
 __all__ = ["DepthPlan", "DepthPlanner"]
+
+STRETCH_ALPHA = 0.2  # weight of the last stretch in the mean stretch length
 
 
 class DepthPlan(NamedTuple):
@@ -53,6 +56,12 @@ class DepthPlanner:
         self.max_draft, self.tuning, self.controller = max_draft, tuning, controller
         self.sequential, self.catch_up_ms = sequential, catch_up_ms
         self._drafting = False  # the last step's plan drafted: a stretch of drafting is under way
+        # Steps a stretch of drafting lasted, a running mean per load bucket it started at (explorations and
+        # plain checks aside): what the switch into drafting and back is spread over when the plan weighs
+        # starting one there; plan_every until a stretch ends. Learned from all loads alike, at capacity the
+        # long stretches of its lulls started short ones (TPOT p50 1% worse in scripts/simulate_open.py).
+        self._stretch_steps: dict[int, float] = {}
+        self._stretch, self._stretch_load = 0, 0  # planned drafting steps of the stretch under way, its load
         self._cache: dict[tuple[int, int, bool], _CachedPlan] = {}
         self._steps = 0  # plans made so far: a cached plan lives for the next plan_every steps, not uses
         self.exploration = ExplorationSchedule(tuning.explore_budget)
@@ -73,6 +82,15 @@ class DepthPlanner:
         joining: prompts are being fed or held, so more rows decode within a step or two."""
         plan = self._plan_for(n_adaptive, n_decode, cost, catch_up, joining)
         self._drafting = plan.steps > 0
+        if not (plan.exploring or plan.checking):
+            if plan.steps:
+                if not self._stretch:
+                    self._stretch_load = load_bucket(n_decode)
+                self._stretch += 1
+            elif self._stretch:
+                mean = self.stretch_steps(self._stretch_load)
+                self._stretch_steps[self._stretch_load] = mean + STRETCH_ALPHA * (self._stretch - mean)
+                self._stretch = 0
         return plan
 
     def _plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up, joining: bool) -> DepthPlan:
@@ -90,7 +108,9 @@ class DepthPlanner:
             behind = catch_up() if catch_up is not None else 0.0
             cached = self._cache[key] = self._best(n_adaptive, n_decode, cost, behind,
                                                    1 if joining else self.tuning.plan_every,
-                                                   until=self._steps + self.tuning.plan_every, moves=moves)
+                                                   until=self._steps + self.tuning.plan_every, moves=moves,
+                                                   switch_horizon=1.0 if joining
+                                                   else self.stretch_steps(load_bucket(n_decode)))
         best = cached.depth if self._drafting else cached.start_depth
         if best == 0:
             self.plain_checks.idle(n_decode)
@@ -107,8 +127,12 @@ class DepthPlanner:
             return DepthPlan(0, checking=True)
         return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
 
+    def stretch_steps(self, load: int) -> float:
+        """What a switch into drafting is spread over at this load bucket (costs/overhead.load_bucket)."""
+        return self._stretch_steps.get(load, float(self.tuning.plan_every))
+
     def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0, horizon: int = 1,
-              until: int = 0, moves: int = 0) -> _CachedPlan:
+              until: int = 0, moves: int = 0, switch_horizon: float = 1.0) -> _CachedPlan:
         """The model's plan: best draft depth, and what a plain and an exploring step cost. behind_ms: the
         modelled ms of the draft catching up on what it has not seen, which drafting pays before its first
         call: spread over `horizon` steps, the price of starting to draft. Unpriced, a model that put
@@ -120,10 +144,15 @@ class DepthPlanner:
         next step, full again, did not draft (2-4 such steps a run, each 2-5x a plain step).
 
         From plain decoding, drafting first pays a switch of graphs (costs/switch.py, in plain calls: the
-        verify graph's first call, and the decoding graph's next few once drafting stops), spread over the
-        horizon too. Unpriced, adaptive drafted one step here and there (explorations, the ramp, lone rows at low
-        load) and each cost about two more plain steps than its model: with fixed:3 run in the same
-        runtime (its settled verify calls priced verifying), 0.92-0.96x `off` at 4 requests, temperature 1.0."""
+        verify graph's first call, and the decoding graph's next few once drafting stops), spread over
+        `switch_horizon` steps: how long stretches of drafting started at this load lasted (stretch_steps), one
+        step while prompts join. Spread over the plan's 8 steps, in an open loop at half the capacity stretches
+        at 2-3 rows, which last until requests come or go, did not start: 0.61 of such steps drafted, where
+        fixed:3's tokens per ms ran 3% above plain decoding's, and TPOT p50 was 1.05x fixed:3's
+        (scripts/simulate_open.py). Unpriced, adaptive drafted one step here and there (explorations, the
+        ramp, lone rows at low load) and each cost about two more plain steps than its model: with fixed:3
+        run in the same runtime (its settled verify calls priced verifying), 0.92-0.96x `off` at 4 requests,
+        temperature 1.0."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
@@ -136,7 +165,7 @@ class DepthPlanner:
         depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=others)
         start = depth
         if switch > 0 and depth > 0:
-            start, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec + switch / horizon,
+            start, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec + switch / switch_horizon,
                                         others=others)
         plain_ms = plain + float(verify[0])
         explore_ms = (cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
