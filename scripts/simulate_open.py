@@ -33,10 +33,7 @@ def run(warm, start, truth, items, arrivals, mode: str, tuning=None) -> tuple[li
     from dspark_trt.bench.start_profile import cold_runtime
     from dspark_trt.runtime.config import GenerationConfig
 
-    base = warm.tuning
-    warm.tuning = tuning or base
-    rt = cold_runtime(warm, start)
-    warm.tuning = base
+    rt = cold_runtime(warm, start, tuning)
     rt._ensure_worker = lambda: None  # the runtime steps in this thread, between arrivals
     clock = on_true_costs(rt, truth)
     records = [new_record(i, it, at) for i, (it, at) in enumerate(zip(items, arrivals))]

@@ -112,10 +112,7 @@ def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, to
     from dspark_trt.bench.start_profile import cold_runtime
     from dspark_trt.runtime import GenerationConfig
 
-    base = warm.tuning
-    warm.tuning = tuning
-    rt = cold_runtime(warm, start)
-    warm.tuning = base
+    rt = cold_runtime(warm, start, tuning)
     clock = on_true_costs(rt, truth)
     try:
         with simulated_time(clock):

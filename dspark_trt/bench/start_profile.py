@@ -46,13 +46,13 @@ def runtime_from(artifact_dir, backend: str, path: Path):
     return _starting_from(Runtime.load(artifact_dir, backend=backend, profile="none"), path)
 
 
-def cold_runtime(warm, path: Path):
+def cold_runtime(warm, path: Path, tuning=None):
     """A runtime on `warm`'s engines (their sessions warmed up: a new session's first calls pay allocations
     that would hit the window measured) with the profile at `path`, and nothing learned: fresh tables, step
-    overheads, exploration credit, survival statistics."""
+    overheads, exploration credit, survival statistics. tuning: a RuntimeTuning (default: `warm`'s)."""
     from dspark_trt.runtime.runtime import Runtime
 
-    rt = Runtime(warm.artifact_dir, warm.manifest, warm.backend, warm.tokenizer, tuning=warm.tuning)
+    rt = Runtime(warm.artifact_dir, warm.manifest, warm.backend, warm.tokenizer, tuning=tuning or warm.tuning)
     rt.profile_name = warm.profile_name
     rt.prefault_caches()
     rt.wait_prefaulted()  # fresh caches: their page faults are not what a start profile is tested for
