@@ -29,7 +29,7 @@ from simulate_start import on_true_costs, simulated_time  # noqa: E402
 
 def run(warm, start, truth, items, arrivals, mode: str, tuning=None) -> tuple[list[dict], float]:
     """One open-loop run: (records as the in-process bench writes them, simulated wall seconds)."""
-    from dspark_trt.bench.inprocess import new_record, run_end
+    from dspark_trt.bench.inprocess import finish_record, new_record, run_end
     from dspark_trt.bench.start_profile import cold_runtime
     from dspark_trt.runtime.config import GenerationConfig
 
@@ -61,11 +61,7 @@ def run(warm, start, truth, items, arrivals, mode: str, tuning=None) -> tuple[li
         rec["token_times_s"] = [d - t0 for d in req.delivered]
         rec["token_counts"], rec["generated_tokens"] = counts, sum(counts)
         rec["admitted_s"] = req.stats.t_admit - t0
-        st = req.stats
-        rec["spec"] = {k: getattr(st, k) for k in ("steps", "generated", "predicted_accepted", "accepted",
-                                                   "predicted_step_ms", "measured_step_ms")}
-        rec["ok"] = req.finish_reason not in ("error", "cancelled", None) and not req.error
-        rec["error"] = req.error
+        finish_record(rec, req)
     return records, run_end(records)
 
 

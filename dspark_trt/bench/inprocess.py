@@ -43,13 +43,7 @@ def run_inprocess(rt, items, arrivals, mode: str, poll_s: float = 0.002) -> tupl
         if len(req.delivered) == len(times):
             # The runtime's own stamps: a reader that waited for the GIL would have seen two deliveries at once.
             times[:] = [d - t0 for d in req.delivered]
-        st = req.stats
-        # What the runtime decided and predicted for this request (summed per (rate, mode) in open_loop._entry).
-        rec["spec"] = {"steps": st.steps, "generated": st.generated, "predicted_accepted": st.predicted_accepted,
-                       "accepted": st.accepted, "predicted_step_ms": st.predicted_step_ms,
-                       "measured_step_ms": st.measured_step_ms}
-        rec["ok"] = req.finish_reason not in ("error", "cancelled", None) and not req.error
-        rec["error"] = req.error or (None if rec["ok"] else f"finished: {req.finish_reason}")
+        finish_record(rec, req)
 
     def stamp_admissions():
         now = time.perf_counter() - t0
@@ -86,6 +80,17 @@ def run_inprocess(rt, items, arrivals, mode: str, poll_s: float = 0.002) -> tupl
     for t in readers:
         t.join()
     return records, run_end(records)
+
+
+def finish_record(rec: dict, req) -> None:
+    """How a finished request ended, and what the runtime decided and predicted for it (summed per (rate,
+    mode) in open_loop._entry)."""
+    st = req.stats
+    rec["spec"] = {"steps": st.steps, "generated": st.generated, "predicted_accepted": st.predicted_accepted,
+                   "accepted": st.accepted, "predicted_step_ms": st.predicted_step_ms,
+                   "measured_step_ms": st.measured_step_ms}
+    rec["ok"] = req.finish_reason not in ("error", "cancelled", None) and not req.error
+    rec["error"] = req.error or (None if rec["ok"] else f"finished: {req.finish_reason}")
 
 
 def run_end(records: list[dict]) -> float:
