@@ -133,7 +133,7 @@ def main() -> None:
                       f"TPOT p50 {f['tpot_p50']:6.2f} ms ({f['tpot_p50'] / best_tpot:.3f} best, "
                       f"{f['tpot_p50'] / fig['off']['tpot_p50']:.3f} off)  TTFT p99 {f['ttft_p99']:7.1f} ms "
                       f"({f['ttft_p99'] / fig['off']['ttft_p99']:.3f} off)  tau {f['tau']:.2f}  accepted/predicted "
-                  f"{f['accepted']:.2f}  failed {f['failed']}", flush=True)
+                      f"{f['accepted']:.2f}  failed {f['failed']}", flush=True)
     finally:
         warm.close()
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from cost_sim import SimClock  # noqa: E402  (the tests' simulated clock)
+from cost_sim import SimClock, submit_all_at_once  # noqa: E402  (the tests' simulated world)
 
 SWITCH_EXTRA = (0.6, 0.3, 0.15)  # plain calls added to the 1st, 2nd, 3rd call after a switch of graphs
 CATCH_UP_MS = 0.004
@@ -118,8 +118,8 @@ def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, to
         with simulated_time(clock):
             rt.admission.max_batch = concurrency
             cfg = GenerationConfig(max_new_tokens=tokens, spec=mode, stop_at_eos=False)
-            with rt._lock:  # every request queued before the first step: no thread timing in the result
-                reqs = [rt.submit(prompts[i % len(prompts)].ids, cfg) for i in range(max(64, 3 * concurrency))]
+            reqs = submit_all_at_once(rt, [prompts[i % len(prompts)].ids for i in range(max(64, 3 * concurrency))],
+                                      cfg)
             t0 = clock()
             for r in reqs:
                 r.done.wait()

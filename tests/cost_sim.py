@@ -69,11 +69,17 @@ def simulated(rt, monkeypatch, draft_ms, verify_ms, accept=None) -> CostedEngine
     return engines
 
 
-def generate_all_at_once(rt, prompts, config):
-    """rt.generate, every request queued before the first step (generate submits one at a time, and the
-    worker may step in between; on the simulated clock the runs must not depend on thread timing)."""
+def submit_all_at_once(rt, prompts, config) -> list:
+    """Submit every prompt before the worker's first step (it may step between separate submits, so which
+    requests share a step, and which slot each takes, would depend on thread timing)."""
     with rt._lock:  # re-entrant: submit takes it too
-        reqs = [rt.submit(p, config) for p in prompts]
+        return [rt.submit(p, config) for p in prompts]
+
+
+def generate_all_at_once(rt, prompts, config):
+    """rt.generate, every request queued before the first step (on the simulated clock the runs must not
+    depend on thread timing)."""
+    reqs = submit_all_at_once(rt, prompts, config)
     for r in reqs:
         r.done.wait()
     return [rt.result(r, p) for r, p in zip(reqs, prompts)]

@@ -627,6 +627,7 @@ def test_runtime_on_fake_engines_matches_host(tmp_path, spec):
     device caches gives the same tokens and the same cache contents as the host path."""
     pytest.importorskip("torch")
     from conftest import make_tokenizer
+    from cost_sim import submit_all_at_once
 
     from dspark_trt.runtime.backends.device_kv import DeviceKVCache
     from dspark_trt.runtime.config import GenerationConfig
@@ -641,10 +642,9 @@ def test_runtime_on_fake_engines_matches_host(tmp_path, spec):
     results, caches, slots = [], [], []
     for backend in (ToyHostBackend(), fake_backend()):
         with Runtime(tmp_path, toy_manifest(), backend, tok) as rt:
-            # Every request queued before the first step: one submitted after another finished would take
-            # its slot, and overwrite the cache rows this test compares, only when the machine is busy.
-            with rt._lock:  # re-entrant: submit takes it too
-                reqs = [rt.submit(p, cfg) for p in prompts]
+            # One submitted after another finished would take its slot, and overwrite the cache rows this
+            # test compares, only when the machine is busy.
+            reqs = submit_all_at_once(rt, prompts, cfg)
             out = [rt.wait(r) for r in reqs]
             caches.append((rt.target_kv, rt.draft_kv))
             slots.append([(r.slot, len(r.tokens)) for r in reqs])
