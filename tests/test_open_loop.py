@@ -10,7 +10,7 @@ import pytest
 
 from dspark_trt.bench.arrivals import poisson_arrivals
 from dspark_trt.bench.latency import meets_slo, percentiles, request_latencies, summarize_open
-from dspark_trt.bench.open_report import goals
+from dspark_trt.bench.open_report import _render_by_round, goals
 from dspark_trt.bench.options import parse_rates
 from dspark_trt.bench.workload import (build_requests, classify_lines, cut_points, log_uniform, parse_temperature,
                                        parse_workload)
@@ -259,6 +259,29 @@ def test_goals_compare_adaptive_with_the_best_baseline_at_each_rate():
     assert "t1_holds" not in g4
     t1 = goals(rows, [(1.0, 1.0)])
     assert t1[0]["t1_holds"] is True and t1[1]["t1_holds"] is True  # adaptive beats off in both figures
+
+
+def test_each_goal_is_also_judged_round_by_round_with_an_interval_that_says_whether_the_run_could_tell():
+    def rounds(mode, tpot, ttft, tok):
+        e = entry(4, mode, sum(tok) / len(tok), sorted(tpot)[2], sorted(ttft)[2], True)
+        return {**e, "round_tpot_p50_ms": tpot, "round_ttft_p99_ms": ttft, "round_output_tok_s": tok}
+
+    rows = [rounds("off", [10, 12, 9, 11, 10], [100, 150, 90, 120, 100], [300, 280, 310, 290, 300]),
+            rounds("fixed:2", [9, 11, 8, 10, 9], [100, 150, 90, 120, 100], [330, 300, 340, 310, 320]),
+            # TPOT: 1.01-1.04 of fixed:2 per round, spanning 1.03; TTFT 1.2-1.3 of off's every round;
+            # tok/s: 0.97-0.99 of fixed:2 in every round
+            rounds("adaptive", [9.09, 11.44, 8.32, 10.1, 9.27], [125, 180, 117, 150, 120],
+                   [327, 292, 333, 304, 314])]
+    (g,) = goals(rows, [(0.0, 1.0)])
+    tpot, ttft, tok = g["tpot_by_round"], g["ttft_by_round"], g["tok_by_round"]
+    assert tpot["rounds"] == pytest.approx([1.01, 1.04, 1.04, 1.01, 1.03])
+    assert tpot["median"] == pytest.approx(1.03) and tpot["interval"] == pytest.approx([1.01, 1.04])
+    assert tpot["coverage"] == pytest.approx(1 - 2 / 32) and tpot["verdict"] == "undecided"
+    assert ttft["verdict"] == "fails" and ttft["interval"][0] == pytest.approx(1.2)
+    assert tok["verdict"] == "holds" and tok["interval"][0] >= 0.97
+    one = [{**e, "round_tpot_p50_ms": e["round_tpot_p50_ms"][:1]} for e in rows]
+    assert goals(one, [(0.0, 1.0)])[0]["tpot_by_round"] is None  # one round cannot say
+    assert "**fails**" in "\n".join(_render_by_round([g]))
 
 
 # --------------------------------------------------------------------------------------------- end to end

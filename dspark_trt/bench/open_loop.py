@@ -222,6 +222,9 @@ def _entry(rate, label, mode, runs, cap, slo_ttft, slo_tpot) -> dict:
     span = sum(max((r["arrival_s"] for r in recs), default=0.0) for recs, _, _ in runs)
     e["offered_req_s"] = (sum(len(recs) for recs, _, _ in runs) / span) if span > 0 else None
     e["round_output_tok_s"] = [window_tok_s([(recs, w)]) for recs, w, _ in runs]
+    rounds = [summarize_open(recs, w) for recs, w, _ in runs]
+    e["round_tpot_p50_ms"] = [r["tpot_ms"]["p50"] for r in rounds]
+    e["round_ttft_p99_ms"] = [r["ttft_ms"]["p99"] for r in rounds]
     e["round_load_avg_1m"] = [x for _, _, x in runs]
     e["send_lag_ms_p99"] = float(np.percentile([(r["sent_s"] - r["arrival_s"]) * 1e3 for r in records
                                                 if r["sent_s"] is not None] or [0.0], 99))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
+from dspark_trt.bench.latency import median_interval
 from dspark_trt.bench.results import _fmt, write_results
 
 TPOT_GOAL, TTFT_GOAL, TOK_GOAL = 1.03, 1.10, 0.97
@@ -15,7 +17,8 @@ def goals(entries: list[dict], temperatures) -> list[dict]:
     - ttft: adaptive's TTFT p99 / off's <= 1.10;
     - throughput (overloaded rates only): adaptive's output tok/s / the highest baseline's >= 0.97;
     - with every request at temperature 1.0: adaptive >= off in tok/s, and TPOT p50 <= off's.
-    ``holds`` is None where a figure is missing (e.g. no adaptive row)."""
+    ``holds`` is None where a figure is missing (e.g. no adaptive row). Each goal also has its figure
+    round by round (``*_by_round``, see :func:`paired`): whether the run could tell."""
     out = []
     all_t1 = [t for t, _ in temperatures] == [1.0]
     for rate in sorted({e["rate"] for e in entries}):
@@ -34,17 +37,39 @@ def goals(entries: list[dict], temperatures) -> list[dict]:
         g["best_tok_mode"] = best_tok["mode"] if best_tok else None
         g["tok_ratio"] = _ratio(ad and ad["output_tok_s"], best_tok and best_tok["output_tok_s"])
         g["tok_holds"] = (None if g["tok_ratio"] is None or not g["overloaded"] else g["tok_ratio"] >= TOK_GOAL)
+        g["tpot_by_round"] = paired(ad, best_tpot, "round_tpot_p50_ms", TPOT_GOAL, at_most=True)
+        g["ttft_by_round"] = paired(ad, off, "round_ttft_p99_ms", TTFT_GOAL, at_most=True)
+        g["tok_by_round"] = paired(ad, best_tok, "round_output_tok_s", TOK_GOAL, at_most=False) if g["overloaded"] else None
         if all_t1:
             g["t1_tok_over_off"] = _ratio(ad and ad["output_tok_s"], off and off["output_tok_s"])
             g["t1_tpot_over_off"] = _ratio(ad and ad["tpot_ms"]["p50"], off and off["tpot_ms"]["p50"])
             g["t1_holds"] = (None if g["t1_tok_over_off"] is None or g["t1_tpot_over_off"] is None
                              else g["t1_tok_over_off"] >= 1.0 and g["t1_tpot_over_off"] <= 1.0)
+            g["t1_tok_by_round"] = paired(ad, off, "round_output_tok_s", 1.0, at_most=False)
+            g["t1_tpot_by_round"] = paired(ad, off, "round_tpot_p50_ms", 1.0, at_most=True)
         out.append(g)
     return out
 
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
+
+
+def paired(ad: dict | None, base: dict | None, key: str, limit: float, at_most: bool) -> dict | None:
+    """Adaptive's figure over the baseline's, round by round (the two ran the same arrivals in the same
+    round), with a distribution-free interval for their median (latency.median_interval, 90% where the
+    rounds allow) and a verdict: ``holds`` or ``fails`` when the whole interval lies on one side of the
+    limit (at_most: the ratio must be <= limit; else >=), ``undecided`` when it spans it: the run's noise
+    is larger than the distance to the goal. None with fewer than two paired rounds."""
+    a, b = (ad or {}).get(key) or [], (base or {}).get(key) or []
+    rounds = [x / y for x, y in zip(a, b) if x is not None and y] if len(a) == len(b) else []
+    interval = median_interval(rounds)
+    if interval is None:
+        return None
+    lo, hi, coverage = interval
+    good, bad = (hi <= limit, lo > limit) if at_most else (lo >= limit, hi < limit)
+    return {"rounds": rounds, "median": statistics.median(rounds), "interval": [lo, hi], "coverage": coverage,
+            "verdict": "holds" if good else "fails" if bad else "undecided"}
 
 
 def write_open(out: Path, result: dict) -> None:
@@ -101,8 +126,31 @@ def render_open(result: dict) -> str:
             row += (f" {_fmt(g['t1_tok_over_off'], '.3f')}, {_fmt(g['t1_tpot_over_off'], '.3f')} "
                     f"{_yes(g['t1_holds'])} |")
         L.append(row)
+    L += _render_by_round(result["goals"])
     L += ["", DEFINITIONS]
     return "\n".join(L) + "\n"
+
+
+BY_ROUND = (("tpot_by_round", "TPOT p50 / best"), ("ttft_by_round", "TTFT p99 / off"),
+            ("tok_by_round", "tok/s / best"), ("t1_tok_by_round", "temp 1.0: tok/s / off"),
+            ("t1_tpot_by_round", "temp 1.0: TPOT / off"))
+
+
+def _render_by_round(goal_rows: list[dict]) -> list[str]:
+    """The goals paired round by round: median, interval (coverage), verdict; nothing with one round."""
+    cols = [(k, name) for k, name in BY_ROUND if any(g.get(k) for g in goal_rows)]
+    if not cols:
+        return []
+    L = ["", "### Round by round (the same arrivals for every mode in a round)", "",
+         "| rate req/s | " + " | ".join(name for _, name in cols) + " |", "|---:|" + "---|" * len(cols)]
+    for g in goal_rows:
+        cells = []
+        for k, _ in cols:
+            p = g.get(k)
+            cells.append("-" if not p else f"{p['median']:.3f} [{p['interval'][0]:.3f}, {p['interval'][1]:.3f}] "
+                         f"({p['coverage']:.0%}) " + (p["verdict"] if p["verdict"] != "fails" else "**fails**"))
+        L.append(f"| {g['rate']:.2f} | " + " | ".join(cells) + " |")
+    return L
 
 
 DEFINITIONS = """\
@@ -116,6 +164,11 @@ DEFINITIONS = """\
   (schedule start to the last answer). **req/s**: completed requests / whole-run time. **goodput**:
   completed requests meeting both SLOs per second of whole-run time; **in SLO**: their share of all
   requests sent. **load**: rate / the measured capacity (mode off, see results.json `capacity`).
+- **Round by round**: each goal's ratio in each round (adaptive and the baseline ran the same arrivals
+  in it), the median over rounds and a distribution-free interval for it (sign test: the k-th lowest to
+  the k-th highest round, as much as 90% coverage allows; with 3-4 rounds the whole range, 75%/88%).
+  **holds** / **fails**: the whole interval is on one side of the goal; **undecided**: it spans the goal,
+  the run's noise is wider than the distance to it (more rounds narrow it).
 - **tau** (in process only): tokens a decode step emitted per request. results.json also carries the
   runtime's `predicted_accepted` / `accepted` drafts and `predicted_step_ms` / `measured_step_ms`, summed
   over requests (each request's share of the steps it decoded in).
