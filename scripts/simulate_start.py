@@ -10,7 +10,9 @@ the runtime reads (time.perf_counter) advances by what the call costs under the 
 the time it took:
   - a target call: the true profile's call-shape model (its fit times its per-width, per-kind offset), plus
     SWITCH_EXTRA plain calls of its width on each of the first calls after a switch of graphs;
-  - a draft call: the true profile's draft table at its rows, plus CATCH_UP_MS a token caught up;
+  - a draft call: the true profile's draft table at its rows, scaled to its longest past by the profile's
+    draft-past term (costs/draft_past.py; none in profiles measured before it), plus CATCH_UP_MS a token
+    caught up;
   - each step's host work: PLAIN_HOST or SPEC_HOST (ms at 0 rows, ms a row), as the tiny pair's bench
     measured it (overhead 5% of a step at 16-64 requests plain, 9% drafting, 18% at 1 request).
 The runtime starts from START with nothing learned, so what a mechanism changes in how it recovers shows
@@ -45,7 +47,7 @@ class TrueCostEngines:
 
     def __init__(self, real, clock: SimClock, truth):
         self.real, self.clock = real, clock
-        self.shape, self.draft = truth.call_shape, truth.draft_table(corrected=False)
+        self.shape, self.draft, self.draft_past = truth.call_shape, truth.draft_table(corrected=False), truth.draft_past
         self._graph, self._same = None, 0
 
     def __getattr__(self, name):
@@ -54,7 +56,8 @@ class TrueCostEngines:
     def _draft(self, run, feeds, past):
         out = run(feeds, past)
         rows, tokens = len(feeds["query_lens"]), int(feeds["tokens"].shape[0])
-        self.clock.advance_ms(float(self.draft[min(rows, len(self.draft) - 1)]) + CATCH_UP_MS * max(0, tokens - rows))
+        ms = float(self.draft[min(rows, len(self.draft) - 1)]) * self.draft_past.factor(rows, int(feeds["past_lens"].max()))
+        self.clock.advance_ms(ms + CATCH_UP_MS * max(0, tokens - rows))
         return out
 
     def run_draft(self, feeds, past):

@@ -278,3 +278,48 @@ def test_a_run_of_calls_broken_by_one_agreeing_call_does_not_jump():
         slow = i % n != n - 1  # every n-th call agrees with the profile
         table.observe_verify(64, (2.0 if slow else 1.0) * linear_verify(64))
     assert table.drift()["verify"]["global"] < 1.0 + 4 * n * 0.03
+
+
+# -------------------------------------------------------------------------------------- draft past
+
+def past_table(tmp_path=None):
+    """Draft calls timed at past 128 and 1016: 1 row barely grows, 16 rows by half, 64 rows nearly double
+    (the tiny pair measured 0.24 -> 0.26, 1.07 -> 1.67 and 3.36 -> 6.16 ms at past 128 -> 900)."""
+    from dspark_trt.runtime.costs.draft_past import DraftPast
+
+    pairs = DraftPast.points(128, 1016, [1, 16, 64], [1.0, 1.08, 1.32], [1.05, 1.62, 2.64])
+    return make_table(draft_past=pairs)
+
+
+def test_a_draft_call_is_priced_at_its_past_by_the_growth_measured_at_a_long_past():
+    table = past_table()
+    at = table.draft_ms
+    assert at(64, past=128) == pytest.approx(at(64)) == pytest.approx(linear_draft(64))
+    assert at(64, past=1016) == pytest.approx(2.0 * linear_draft(64))  # 1.32 -> 2.64: twice
+    assert at(64, past=572) == pytest.approx(1.5 * linear_draft(64))  # linear in the past
+    assert at(1, past=1016) == pytest.approx(1.05 * linear_draft(1))
+    growth = [at(b, past=1016) / at(b) for b in (1, 16, 64)]
+    assert growth == pytest.approx([1.05, 1.5, 2.0])  # measured at these sizes, interpolated in between
+    assert growth[1] < at(32, past=1016) / at(32) < growth[2]
+    assert at(64, past=0) >= 0.5 * at(64)  # shorter than the profile's past: cheaper, within reason
+    assert make_table().draft_ms(64, past=1016) == pytest.approx(linear_draft(64))  # a profile without it
+
+
+def test_the_drift_learns_draft_calls_at_long_pasts_as_the_level_at_the_profiles_past():
+    """Calls that cost what the past term says teach the drift nothing; a machine 30% slower is learned
+    whatever past its calls ran at, and priced at every past."""
+    table = past_table()
+    for _ in range(30):
+        table.observe_draft(64, 2.0 * linear_draft(64), past=1016)
+    assert table.draft_ms(64) == pytest.approx(linear_draft(64), rel=1e-6)
+    for _ in range(40):
+        table.observe_draft(64, 1.3 * 2.0 * linear_draft(64), past=1016)
+    assert table.draft_ms(64, past=128) == pytest.approx(1.3 * linear_draft(64), rel=0.05)
+    assert table.draft_ms(64, past=1016) == pytest.approx(1.3 * 2.0 * linear_draft(64), rel=0.05)
+
+
+def test_the_draft_past_term_survives_a_save_and_load(tmp_path):
+    table = past_table()
+    loaded = CostTable.load(table.save(tmp_path))
+    assert loaded.draft_ms(16, past=1016) == pytest.approx(table.draft_ms(16, past=1016))
+    assert loaded.draft_ms(16, past=1016) == pytest.approx(1.5 * linear_draft(16))

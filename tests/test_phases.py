@@ -95,6 +95,20 @@ def test_where_drafting_pays_the_model_plans_its_best_depth_plus_headroom():
     assert headroom.steps == plan.steps - 1 or plan.steps == K
 
 
+def test_drafting_is_priced_at_the_steps_past():
+    """A draft call's cost grows with the tokens cached per row (costs/draft_past.py): the same batch that
+    drafts at the profile's past does not where draft calls cost 40x as much."""
+    from dspark_trt.runtime.costs.draft_past import DraftPast
+
+    costs = Costs(64, K)
+    grows = DraftPast.points(128, 1128, [1, K + 1], [1.0, 1.0], [40.0, 40.0])
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 0.5) * (np.arange(K + 2) > 0),
+                            points={"draft_past": grows})
+    tuning = replace(RuntimeTuning(), plain_check_every=0, explore_budget=0.0)
+    assert depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 128)).steps > 0
+    assert depth_planner(tuning).plan_for(4, 4, costs.for_step(4, 1128)).steps == 0
+
+
 def test_starting_to_draft_pays_the_drafts_catch_up_spread_over_the_plans_steps():
     """Rows that decoded plainly for a while have text the draft has not seen; drafting feeds it first.
     Where drafting pays a little, a catch-up that the plan's steps cannot pay for keeps the plan plain

@@ -129,7 +129,8 @@ def test_measure_records_the_machines_load_and_the_spread(monkeypatch):
     run = lambda feeds, past: (None, None)  # noqa: E731
     rt = SimpleNamespace(backend=SimpleNamespace(run_target=run, run_draft=run, name="ort"), manifest={"files": {}},
                          target_kv=_Cache(), draft_kv=_Cache(), tuning=RuntimeTuning(), max_tokens_per_step=8,
-                         slots_total=2, max_draft=3, wait_prefaulted=lambda: None)
+                         slots_total=2, max_draft=3, wait_prefaulted=lambda: None, max_context=64,
+                         drafter=SimpleNamespace(prepare_call=lambda b, past: lambda: None))
     table = profiling.measure(rt, repeats=2, progress=False)
     assert table.meta["load"] == {"before": [1.0, 0.5, 0.25], "after": [2.0, 1.0, 0.5]}
     assert table.meta["cpu_count"] == profiling.os.cpu_count()
@@ -289,3 +290,39 @@ def test_the_quick_profiles_draft_points_keep_the_least_of_several_timings(monke
     monkeypatch.setattr(profiling.time, "perf_counter", lambda: now[0])
     monkeypatch.setattr(profiling, "_draft_call", draft_call)
     assert profiling._probe_draft(SimpleNamespace(), [1, 8]) == pytest.approx([0.42, 1.0])
+
+
+def test_the_profile_measures_how_draft_calls_grow_with_the_past_and_prices_them_so(monkeypatch):
+    """A draft call of b rows at past p costs 0.2 + 0.01 b + 4e-5 b (p - 128) ms here (the tiny pair's draft at
+    64 rows: 3.36 ms at past 128, 6.16 at 900); the profile times three batch sizes at past 128 and 8x it and
+    prices every draft call at its past."""
+    def cost(b, past):
+        return 0.2 + 0.01 * b + 4e-5 * b * (past - 128)
+
+    now = [0.0]
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: now[0])
+
+    def call(ms):
+        def run():
+            now[0] += ms / 1e3
+        return run
+
+    def run_target(feeds, past):
+        now[0] += 1e-3
+        return None, None
+    monkeypatch.setattr(profiling, "shape_layouts", lambda rt: [([1], 32), ([2], 32), ([1, 1], 192), ([4], 192)])
+    monkeypatch.setattr(profiling, "_verify_feeds", lambda rt, t: {"positions": t})
+    monkeypatch.setattr(profiling, "_packed_verify_feeds", lambda rt, q, past: {"positions": q})
+    monkeypatch.setattr(profiling, "token_slots", lambda feeds: None)
+    monkeypatch.setattr(profiling, "_draft_call", lambda rt, b: call(cost(b, 128)))
+    rt = SimpleNamespace(backend=SimpleNamespace(run_target=run_target, name="ort"), manifest={"files": {}},
+                         target_kv=_Cache(), tuning=RuntimeTuning(), max_tokens_per_step=16, slots_total=16,
+                         max_draft=3, wait_prefaulted=lambda: None, max_context=2048,
+                         drafter=SimpleNamespace(prepare_call=lambda b, past: call(cost(b, past))))
+    table = profiling.measure(rt, repeats=2, progress=False)
+    pairs = table.points["draft_past"]
+    assert (pairs["past0"], pairs["past"], pairs["batch"]) == (128, 1024, [1, 4, 16])
+    for b in (1, 4, 10, 16):
+        for past in (128, 600, 1024, 1500):
+            assert table.draft_ms(b, past=past) == pytest.approx(cost(b, past), rel=0.02), (b, past)
+    assert profiling.draft_past_layouts(SimpleNamespace(**{**vars(rt), "max_context": 100})) == []

@@ -12,12 +12,13 @@ import numpy as np
 
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows
+from dspark_trt.runtime.costs.draft_past import DraftPast
 
 # What one measurement spans and which measurements a profile holds; a profile that differs is measured
 # again. "shapes": target calls of varied shape for the call-shape model (call_shape.py), "settled": each
 # timed after tuning.settle_calls untimed calls of its shape (profiles timed across graph switches priced
 # plain calls 1.45-1.67x their settled time at 16 rows, verify calls 1.1x).
-TIMING = "call+kv-write;shapes-settled"
+TIMING = "call+kv-write;shapes-settled;draft-past"
 # What refits of the call-shape model may move, recorded in a refined profile's meta. Profiles refined
 # before refits kept the past and padding coefficients could carry a padding cost refitted to 0 (prompt
 # chunks then packed among wide decode calls, 1-2.7 s a step); without the mark they are measured again.
@@ -77,6 +78,17 @@ def shape_layouts(rt) -> list[tuple[list[int], int]]:
             layouts = [[1] * r, [min(3, deep)] * r, [deep] * r, [deep] + [1] * (r - 1), [chunk] + [1] * (r - 1)]
             out += [(q, past) for q in layouts if sum(q) <= rt.max_tokens_per_step]
     return [(list(q), p) for q, p in dict.fromkeys((tuple(q), p) for q, p in out)]
+
+
+def draft_past_layouts(rt) -> list[tuple[int, int]]:
+    """(batch, past) of the draft calls that measure how the draft's cost grows with the past: one, a
+    quarter of the slots and all of them, each at the profile's past and at a long one (8x it, within the
+    context), in that order; none where the context leaves no longer past."""
+    past0 = min(rt.tuning.profile.past, rt.max_context - 2)
+    past = min(rt.max_context - 2, 8 * past0)
+    if past <= past0:
+        return []
+    return [(b, x) for b in sorted({1, max(1, rt.slots_total // 4), rt.slots_total}) for x in (past0, past)]
 
 
 def _draft_call(rt, batch: int):
@@ -149,21 +161,33 @@ def measure(rt, repeats: int | None = None, progress: bool = True, max_tokens: i
     # Each timing follows tuning.settle_calls untimed calls of its shape (at least one: it warms a new shape up):
     # timed right after another shape, a call paid for the switch (ONNX Runtime: another graph, its cache
     # copy brought up to date, caches cold), at 16 rows a plain call 1.45-1.67x its time in a run.
+    # Draft calls at a long past beside the same batch at the profile's past, in the same rounds: how the
+    # draft's cost grows with the context (costs/draft_past.py).
+    pairs = draft_past_layouts(rt)
+    time_pair = timer(None, lambda rt, i: rt.drafter.prepare_call(*pairs[i]), None, all_times=True)
     rounds = max(p.shape_rounds, repeats - 1)
     settle = max(1, rt.tuning.settle_calls)
     timings: list[list[float]] = [[] for _ in layouts]
-    with tqdm(total=len(layouts) * rounds, desc="profiling call shapes", unit="run", disable=not progress) as bar:
+    pair_timings: list[list[float]] = [[] for _ in pairs]
+    with tqdm(total=(len(layouts) + len(pairs)) * rounds, desc="profiling call shapes", unit="run",
+              disable=not progress) as bar:
         for _ in range(rounds):
             for i in range(len(layouts)):
                 timings[i].extend(time_shape(i, settle))
                 bar.update(1)
+            for i in range(len(pairs)):
+                pair_timings[i].extend(time_pair(i, settle))
+                bar.update(1)
     shapes = [[sum(q), len(q), max(q), past, float(np.percentile(t, p.shape_quantile))]
               for (q, past), t in zip(layouts, timings)]
+    pair_ms = [float(np.percentile(t, p.shape_quantile)) for t in pair_timings]
+    draft_past = (DraftPast.points(pairs[0][1], pairs[1][1], [b for b, _ in pairs[::2]], pair_ms[::2], pair_ms[1::2])
+                  if pairs else None)
     meta = dict(profile_meta(rt.manifest, profile_name(rt)), past=p.past, spread=round(stats["spread"], 4),
                 spread_max=round(stats["spread_max"], 4), rounds=stats["rounds"],
                 load={"before": load_before, "after": _loadavg()})
     return CostTable.from_measurements(vp, dp, meta, max_tokens=max_tokens, max_batch=max_batch,
-                                       shape_points=shapes)
+                                       shape_points=shapes, draft_past=draft_past)
 
 
 def _loadavg() -> list[float] | None:

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from dspark_trt.errors import DsparkError
+from dspark_trt.runtime.costs.draft_past import DraftPast
 from dspark_trt.runtime.solver import table_lookup
 from dspark_trt.runtime.tuning import DriftTuning as _D
 
@@ -269,6 +270,7 @@ class CostTable:
             from dspark_trt.runtime.costs.call_shape import CallShapeCost
 
             self.call_shape = CallShapeCost.from_points(self.points["verify_shapes"])
+        self.draft_past = DraftPast(self.points.get("draft_past"))  # how draft calls grow with the past
         self._drift = {name: _Drift(alpha, max_step, bounds) for name in ("verify", "draft")}
         self._cache: dict[str, np.ndarray] = {}
 
@@ -289,12 +291,13 @@ class CostTable:
     @classmethod
     def from_measurements(cls, verify_points: dict[int, list[float]], draft_points: dict[int, list[float]],
                           meta: dict | None = None, *, max_tokens: int | None = None, max_batch: int | None = None,
-                          shape_points=None, **drift_options) -> "CostTable":
+                          shape_points=None, draft_past: dict | None = None, **drift_options) -> "CostTable":
         """Fit tables from raw repeats ``{size: [ms, ...]}`` (see module docstring for the fit).
 
         ``max_tokens`` / ``max_batch`` set the table lengths (default: the largest measured size);
         sizes beyond the last measured point are extrapolated linearly. ``shape_points``: target calls
         of known shape, ``[[tokens, rows, longest query, past, ms], ...]``, for the call-shape model.
+        ``draft_past``: draft calls at two pasts (costs/draft_past.py, ``DraftPast.points``).
         """
         verify, vmed = _fit(verify_points, max_tokens, "verify")
         draft, dmed = _fit(draft_points, max_batch, "draft")
@@ -304,6 +307,8 @@ class CostTable:
                   "draft_median": {str(k): v for k, v in dmed.items()}}
         if shape_points:
             points["verify_shapes"] = [[float(x) for x in row] for row in shape_points]
+        if draft_past:
+            points["draft_past"] = draft_past
         return cls(verify, draft, meta, points=points, **drift_options)
 
     # -- queries ------------------------------------------------------------------------------------
@@ -344,9 +349,11 @@ class CostTable:
         """Predicted ms of a verify step over ``tokens`` tokens (scalar or array; linear beyond the table)."""
         return table_lookup(self._table("verify", corrected), tokens)
 
-    def draft_ms(self, batch, corrected: bool = True):
-        """Predicted ms of a draft step for ``batch`` requests (scalar or array; linear beyond the table)."""
-        return table_lookup(self._table("draft", corrected), batch)
+    def draft_ms(self, batch, corrected: bool = True, past: int | None = None):
+        """Predicted ms of a draft step for ``batch`` requests (scalar or array; linear beyond the table);
+        with ``past`` (a scalar batch), at that many cached tokens per row (costs/draft_past.py)."""
+        ms = table_lookup(self._table("draft", corrected), batch)
+        return ms if past is None else ms * self.draft_past.factor(batch, past)
 
     # -- drift --------------------------------------------------------------------------------------
     def _observe(self, name: str, size, ms) -> bool:
@@ -364,9 +371,10 @@ class CostTable:
         """Feed back a measured verify step; returns False (and ignores it) if unusable (ms <= 0, NaN)."""
         return self._observe("verify", tokens, ms)
 
-    def observe_draft(self, batch: int, ms: float) -> bool:
-        """Feed back a measured draft step; returns False (and ignores it) if unusable."""
-        return self._observe("draft", batch, ms)
+    def observe_draft(self, batch: int, ms: float, past: int | None = None) -> bool:
+        """Feed back a measured draft step (at ``past`` cached tokens per row: the drift learns it as at the
+        profile's past); returns False (and ignores it) if unusable."""
+        return self._observe("draft", batch, ms / self.draft_past.factor(batch, past))
 
     def drift(self) -> dict[str, dict]:
         """Current correction factors (predicted = profiled x factor), for "verify" and "draft":

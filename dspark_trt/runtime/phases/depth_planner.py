@@ -155,7 +155,7 @@ class DepthPlanner:
         temperature 1.0."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
-        draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive)), cost.overhead("plain"), cost.overhead("spec")
+        draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive, past=cost.past)), cost.overhead("plain"), cost.overhead("spec")
         explore_draft_ms = draft_ms
         switch = cost.costs.switch.calls * float(verify[0])  # costs/switch.py
         spec += behind_ms / horizon

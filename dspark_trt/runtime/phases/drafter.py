@@ -72,7 +72,7 @@ class Drafter:
         self.max_draft, self.max_context, self.max_tokens_per_step = limits
         self.controller, self.correction, self.costs, self.metrics = controller, correction, costs, metrics
         self._priced_ms = 0.0
-        self._timings: list[tuple[int, float]] = []  # this step's draft calls (batch, ms), fed back after drafting
+        self._timings: list[tuple[int, float, int]] = []  # this step's draft calls (batch, ms, past), fed back after drafting
         self.catch_up_rate = CatchUpRate()
 
     def move_slot(self, r: Request, src: int, dst: int) -> None:
@@ -177,8 +177,8 @@ class Drafter:
             r.draft_rounds += 1
         # Fed back once the step's drafting is done: each feed invalidates the corrected draft table,
         # which the draft loop reads between calls.
-        for b, ms in self._timings:
-            self.costs.table.observe_draft(b, ms)
+        for b, ms, past in self._timings:
+            self.costs.table.observe_draft(b, ms, past)
         self._timings.clear()
         out = {r.id: Draft(toks[r.id], probs[r.id], np.asarray(surv[r.id], dtype=np.float32), corr[r.id])
                for r in reqs}
@@ -262,7 +262,8 @@ class Drafter:
             sampled = sum(1 for cap in sampled_caps if cap > drafted)  # caps <= max_draft: prior[drafted] exists
             if sampled:
                 surplus += sampled * max(0.0, float(self.controller.prior_row(self.max_draft)[drafted]) - theta)
-            if surplus < rate * table.draft_ms(max(1, rows + sampled)):
+            past = max(r.draft_len for r in reqs)
+            if surplus < rate * table.draft_ms(max(1, rows + sampled), past=past):
                 return set()
         return keep
 
@@ -292,5 +293,5 @@ class Drafter:
             if self.costs.table is not None and self.costs.observing:
                 # The full call (feeds, engine, KV write): on a CPU the part outside the engine is a
                 # sizeable share of a small draft call, and the planner must weigh what it really costs.
-                self._timings.append((len(reqs), full))
+                self._timings.append((len(reqs), full, int(feeds["past_lens"].max())))
         return outs, ms

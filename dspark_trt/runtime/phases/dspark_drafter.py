@@ -106,7 +106,7 @@ class DsparkDrafter:
         full = (time.perf_counter() - t0) * 1e3 - switch_ms - prompt_ms
         table = self.costs.table
         if table is not None and self.costs.observing:
-            table.observe_draft(len(spec), full)
+            table.observe_draft(len(spec), full, max(r.target_len for r in spec))
         return DraftRound(out, engine_ms, full, switch_ms, prompt_ms)
 
     def _block(self, reqs: list[Request]):
