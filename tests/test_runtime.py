@@ -347,9 +347,10 @@ def test_every_observed_draft_call_is_fed_to_the_draft_drift_after_the_steps_dra
             events.append(("call", rt.metrics.steps, len(reqs)))
         return out
 
-    def traced_observe(batch, ms):
+    def traced_observe(batch, ms, past=None):
+        assert past is not None and past > 0  # priced at the call's past (costs/draft_past.py)
         events.append(("feed", rt.metrics.steps, batch))
-        return observe_draft(batch, ms)
+        return observe_draft(batch, ms, past)
 
     rt.drafter.run_draft, rt.cost.observe_draft = traced_run, traced_observe
     try:
@@ -458,7 +459,8 @@ def test_a_sampled_requests_drafts_never_decide_whether_other_requests_draft_on(
         rt.cost = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(9, 1.0) * (np.arange(9) > 0))
         rt.controller.reset()  # the default prior profile: S_k = 0.7^k, conditional acceptance 0.7
         rt.costs.break_even = 0.1
-        greedy, sampled = SimpleNamespace(id=0, sampling=False), SimpleNamespace(id=1, sampling=True)
+        greedy, sampled = (SimpleNamespace(id=0, sampling=False, draft_len=100),
+                           SimpleNamespace(id=1, sampling=True, draft_len=100))
         for rate in (0.2, 0.5, 1.0, 2.0, 1e6):  # the call is cheap ... dear
             rt.costs.rate = rate
             calls = set()
