@@ -14,7 +14,8 @@ past (round-robin, the low quantile kept, as the call shapes), and the draft tab
 with rel(b) the relative growth per cached token: the growth in ms per token over the cost at past0, each
 measured at those sizes and interpolated in between.
 A ratio, not an absolute term: it applies alike to the profiled table and to one the runtime refined
-(drift-corrected at the profile's past), and the drift learns from observed calls divided by it.
+(drift-corrected at the profile's past), and the drift learns from observed calls divided by it. A quick
+start-up profile (a large model) and profiles measured before it have no such points: factor 1, as before.
 """
 
 from __future__ import annotations
@@ -45,9 +46,6 @@ class DraftPast:
         self.past0, self.batch = past0, b[order]
         self.short = short[order]  # ms at past0
         self.slope = np.maximum(0.0, (long_ - short) / (past - past0))[order]  # ms per cached token
-
-    def __bool__(self) -> bool:
-        return bool(self.slope.size)
 
     def factor(self, batch, past) -> float:
         """A draft call of `batch` rows at `past` cached tokens over the same call at the profile's past."""
