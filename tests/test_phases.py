@@ -95,6 +95,26 @@ def test_where_drafting_pays_the_model_plans_its_best_depth_plus_headroom():
     assert headroom.steps == plan.steps - 1 or plan.steps == K
 
 
+def test_while_the_machines_timings_are_not_its_own_it_neither_explores_nor_checks():
+    """Explorations and plain checks exist to be observed; while the host caches are still being mapped
+    nothing is learned from a step (Costs.learning), so neither runs, and exploring earns no credit."""
+    def planner_at(draft_ms: float, learning: bool):
+        costs = Costs(64, K)
+        costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0),
+                                np.full(K + 2, draft_ms) * (np.arange(K + 2) > 0))
+        costs.learning = learning
+        return depth_planner(replace(RuntimeTuning(), explore_budget=0.5, plain_check_every=2)), costs
+
+    for learning in (False, True):
+        planner, costs = planner_at(20.0, learning)  # drafting does not pay: only explorations would draft
+        plans = [planner.plan_for(4, 4, costs.for_step(4, 0)) for _ in range(40)]
+        assert any(p.exploring for p in plans) == learning
+        planner, costs = planner_at(0.01, learning)  # drafting pays, and a plain check is due at every step
+        planner.plain_checks.due = lambda n_decode, seen_plain: True
+        plan = planner.plan_for(4, 4, costs.for_step(4, 0))
+        assert plan.checking == learning and (plan.steps > 0) != learning
+
+
 def test_drafting_is_priced_at_the_steps_past():
     """A draft call's cost grows with the tokens cached per row (costs/draft_past.py): the same batch that
     drafts at the profile's past does not where draft calls cost 40x as much."""

@@ -404,9 +404,9 @@ class Runtime:
         if batch is None:
             return False
         cost = self.costs.for_step(len(batch.decode), batch.past)
-        depth = self.depth_planner.plan(batch, cost)
         self.costs.learning = (self._prefault is None or not self._prefault[0].is_alive()
                                or time.monotonic() - self._mapping_since > MAPPING_GRACE_S)
+        depth = self.depth_planner.plan(batch, cost)
         # One step in cost_observe_every feeds the tables, and every exploring or checking step: it exists to
         # be seen.
         self.costs.observing = self.costs.learning and (depth.exploring or depth.checking

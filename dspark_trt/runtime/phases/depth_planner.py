@@ -112,7 +112,13 @@ class DepthPlanner:
                                                    switch_horizon=1.0 if joining
                                                    else self.stretch_steps(load_bucket(n_decode)))
         best = cached.depth if self._drafting else cached.start_depth
+        # Explorations and plain checks exist to be observed, and nothing is learned while the machine's
+        # timings are not its own (Costs.learning: the host caches still being mapped): in a closed loop's
+        # first seconds at 16 requests, 6 explorations in a row ran at the full share and taught nothing.
+        learning = cost.costs.learning
         if best == 0:
+            if not learning:
+                return DepthPlan(0)
             self.plain_checks.idle(n_decode)
             # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
             # plan (at most plan_every steps on) reads what it observed.
@@ -122,7 +128,7 @@ class DepthPlanner:
                 return DepthPlan(1, True, cached.explore_ms, cached.plain_ms, charged)
             return DepthPlan(0)
         shape = cost.costs.shape
-        if self.plain_checks.due(n_decode, shape is None or shape.observed(n_decode, plain=True)):
+        if learning and self.plain_checks.due(n_decode, shape is None or shape.observed(n_decode, plain=True)):
             self._cache.pop(key)  # the next plan reads what the check observed
             return DepthPlan(0, checking=True)
         return DepthPlan(min(self.max_draft, best + self.tuning.plan_headroom))
