@@ -47,7 +47,7 @@ class TrueCostEngines:
 
     def __init__(self, real, clock: SimClock, truth):
         self.real, self.clock = real, clock
-        self.shape, self.draft, self.draft_past = truth.call_shape, truth.draft_table(corrected=False), truth.draft_past
+        self.truth, self.shape = truth, truth.call_shape
         self._graph, self._same = None, 0
 
     def __getattr__(self, name):
@@ -56,7 +56,7 @@ class TrueCostEngines:
     def _draft(self, run, feeds, past):
         out = run(feeds, past)
         rows, tokens = len(feeds["query_lens"]), int(feeds["tokens"].shape[0])
-        ms = float(self.draft[min(rows, len(self.draft) - 1)]) * self.draft_past.factor(rows, int(feeds["past_lens"].max()))
+        ms = float(self.truth.draft_ms(rows, corrected=False, past=int(feeds["past_lens"].max())))
         self.clock.advance_ms(ms + CATCH_UP_MS * max(0, tokens - rows))
         return out
 

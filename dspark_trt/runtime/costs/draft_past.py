@@ -32,7 +32,8 @@ class DraftPast:
     profile stores them (costs/profiling.py); None or malformed: factor 1 everywhere."""
 
     def __init__(self, points: dict | None):
-        self.past0, self.batch, self.short, self.slope = 0, np.zeros(0), np.zeros(0), np.zeros(0)
+        self.past0 = 0
+        self._rel: list[float] = []  # rel(b) at b = 0 .. the largest batch measured (clamped beyond it)
         try:
             past0, past = int(points["past0"]), int(points["past"])
             b = np.asarray(points["batch"], dtype=np.float64)
@@ -43,19 +44,20 @@ class DraftPast:
         if past <= past0 or b.ndim != 1 or not (b.shape == short.shape == long_.shape) or not (short > 0).all():
             return
         order = np.argsort(b)
-        self.past0, self.batch = past0, b[order]
-        self.short = short[order]  # ms at past0
-        self.slope = np.maximum(0.0, (long_ - short) / (past - past0))[order]  # ms per cached token
+        slope = np.maximum(0.0, (long_ - short) / (past - past0))  # ms per cached token
+        # The growth and the cost at past0 each linear in the batch between measured sizes (attention reads
+        # grow with rows x past): their ratio, not an interpolated ratio, is exact for costs linear in the
+        # rows. Tabulated once per batch: the call test asks at every draft call.
+        grid = np.arange(int(b.max()) + 1, dtype=np.float64)
+        rel = np.interp(grid, b[order], slope[order]) / np.interp(grid, b[order], short[order])
+        self.past0, self._rel = past0, rel.tolist()
 
     def factor(self, batch, past) -> float:
         """A draft call of `batch` rows at `past` cached tokens over the same call at the profile's past."""
-        if past is None or not self.slope.size:
+        if past is None or not self._rel:
             return 1.0
-        b = float(batch)
-        # Each linear in the batch between measured sizes (attention reads grow with rows x past): their
-        # ratio, not an interpolated ratio, is exact for costs linear in the rows.
-        rel = float(np.interp(b, self.batch, self.slope) / np.interp(b, self.batch, self.short))
-        return max(FLOOR, 1.0 + rel * (float(past) - self.past0))
+        rel = self._rel[min(max(int(batch), 0), len(self._rel) - 1)]
+        return max(FLOOR, 1.0 + rel * (past - self.past0))
 
     @staticmethod
     def points(past0: int, past: int, batches: list[int], ms_past0: list[float], ms_past: list[float]) -> dict:
