@@ -104,3 +104,47 @@ def test_generate_text_prompts_file_keeps_non_ascii(tiny_artifact, tmp_path):
     out = run("generate", str(tiny_artifact), "--prompts-file", str(prompts), "--max-new-tokens", "4", "--spec", "off")
     assert out.returncode == 0, out.stderr
     assert "# café" in out.stdout and "def f():\n    return 1" in out.stdout
+
+
+class _ClockedRuntime:
+    """A runtime whose runs take set times on a fake clock: `spec_s(i)` for the i-th speculative run."""
+
+    def __init__(self, clock, spec_s, off_s):
+        self.clock, self.spec_s, self.off_s, self.spec_runs = clock, spec_s, off_s, 0
+
+    def wait_prefaulted(self):
+        pass
+
+    def close(self):
+        pass
+
+    def generate(self, prompts, configs):
+        from types import SimpleNamespace
+        configs = configs if isinstance(configs, list) else [configs] * len(prompts)
+        n = configs[0].max_new_tokens
+        if n > 2:  # not the warm-up
+            if configs[0].spec == "off":
+                self.clock[0] += self.off_s
+            else:
+                self.clock[0] += self.spec_s(self.spec_runs)
+                self.spec_runs += 1
+        return [SimpleNamespace(token_ids=list(range(n)), error=None, prompt=p, text="x",
+                                stats={"tau": 1.0, "steps": n, "generated_tokens": n}) for p in prompts]
+
+
+@pytest.mark.parametrize("spec_s, off_s, rounds", [(0.1, 0.16, 10), (0.05, 0.075, 15), (2.0, 3.0, 3), (0.3, 0.45, 4)])
+def test_compare_alternates_until_both_modes_ran_long_enough_and_reports_the_median_paired_ratio(
+        monkeypatch, spec_s, off_s, rounds):
+    from dspark_trt.commands import generate as gen
+    from dspark_trt.runtime import runtime
+
+    clock = [0.0]
+    # One speculative run in the middle is hit by another job (10x slower): the median pair ignores it.
+    fake = _ClockedRuntime(clock, lambda i: spec_s * (10 if i == 1 else 1), off_s)
+    monkeypatch.setattr(runtime.Runtime, "load", classmethod(lambda cls, *a, **k: fake))
+    monkeypatch.setattr("time.perf_counter", lambda: clock[0])
+    lines = []
+    summary = gen.run_generate("unused", ["def f():"], None, compare=True, echo=lines.append)
+    assert summary["compare_rounds"] == rounds == fake.spec_runs
+    assert summary["speedup_over_off"] == pytest.approx(off_s / spec_s)
+    assert f"speed-up {off_s / spec_s:.2f}x (median of {rounds} paired runs)" in lines[-1]
