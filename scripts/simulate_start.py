@@ -110,13 +110,25 @@ def simulated_time(clock: SimClock):
         time.perf_counter = real_clock
 
 
-def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, tokens: int) -> float:
-    """Simulated output tok/s of one cold run."""
+def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, tokens: int,
+            first: int = 512) -> tuple[float, float]:
+    """Simulated output tok/s of one cold run: over the whole run, and over its first `first` tokens (from
+    the submission to the end of the step that reached them, as the bench's first_tokens_tok_s)."""
     from dspark_trt.bench.start_profile import cold_runtime
     from dspark_trt.runtime import GenerationConfig
 
     rt = cold_runtime(warm, start, tuning)
     clock = on_true_costs(rt, truth)
+    reached = []
+    commit = rt.committer.commit
+
+    def commit_and_count(*args):
+        out = commit(*args)
+        if not reached and rt.metrics.output_tokens >= first:
+            reached.append((clock(), rt.metrics.output_tokens))
+        return out
+
+    rt.committer.commit = commit_and_count
     try:
         with simulated_time(clock):
             rt.admission.max_batch = concurrency
@@ -129,7 +141,8 @@ def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, to
             ms = (clock() - t0) * 1e3
     finally:
         rt.close()
-    return sum(len(r.generated_ids) for r in reqs) / ms * 1e3
+    first_rate = reached[0][1] / (reached[0][0] - t0) if reached and reached[0][0] > t0 else float("nan")
+    return sum(len(r.generated_ids) for r in reqs) / ms * 1e3, first_rate
 
 
 def main() -> None:
@@ -140,6 +153,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--seeds", default="0,1,2,3", help="prompt seeds, one set of runs each")
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--first", type=int, default=512, help="also report the rate over the first N tokens")
     ap.add_argument("--mode", action="append", default=[], help="off, fixed:K (repeatable); off always runs")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME=JSON: adaptive with these RuntimeTuning fields (repeatable)")
@@ -161,16 +175,19 @@ def main() -> None:
         for seed in (int(s) for s in args.seeds.split(",")):
             prompts = corpus_prompts(warm.tokenizer.encode, warm.tokenizer.decode, 64, seed,
                                      prompt_budget(warm.max_context, args.tokens))
-            rates = {name: one_run(warm, args.start, truth, prompts, mode, tuning or warm.tuning,
-                                   args.concurrency, args.tokens) for name, mode, tuning in runs}
-            print(f"seed {seed}: " + "  ".join(f"{n} {r:.0f} tok/s ({r / rates['off']:.3f})" for n, r in rates.items()),
-                  flush=True)
-            for n, r in rates.items():
-                ratios.setdefault(n, []).append(r / rates["off"])
+            both = {name: one_run(warm, args.start, truth, prompts, mode, tuning or warm.tuning,
+                                  args.concurrency, args.tokens, args.first) for name, mode, tuning in runs}
+            for i, what in enumerate(("whole run", f"first {args.first}")):
+                rates = {n: r[i] for n, r in both.items()}
+                print(f"seed {seed}, {what}: " + "  ".join(f"{n} {r:.0f} tok/s ({r / rates['off']:.3f})"
+                                                          for n, r in rates.items()), flush=True)
+                for n, r in rates.items():
+                    ratios.setdefault((what, n), []).append(r / rates["off"])
     finally:
         warm.close()
-    print("geometric mean / off: " + "  ".join(
-        f"{n} {math.exp(sum(map(math.log, v)) / len(v)):.3f}" for n, v in ratios.items()))
+    for what in ("whole run", f"first {args.first}"):
+        print(f"{what}, geometric mean / off: " + "  ".join(
+            f"{n} {math.exp(sum(map(math.log, v)) / len(v)):.3f}" for (w, n), v in ratios.items() if w == what))
 
 
 if __name__ == "__main__":
