@@ -288,6 +288,67 @@ def test_prompt_chunks_get_their_own_call_when_padding_would_cost_more(tiny_arti
             rt.close()
 
 
+class _CallLog:
+    """The backend's calls in order: (kind, rows, tokens, perf_counter when it started)."""
+
+    def __init__(self, real):
+        self.real, self.calls = real, []
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    def _logged(self, kind, run, feeds, past):
+        import time
+        self.calls.append((kind, len(feeds["query_lens"]), int(feeds["tokens"].shape[0]), time.perf_counter()))
+        return run(feeds, past)
+
+    def run_target(self, feeds, past):
+        return self._logged("target", self.real.run_target, feeds, past)
+
+    def run_draft(self, feeds, past):
+        return self._logged("draft", self.real.run_draft, feeds, past)
+
+    def run_draft_greedy(self, feeds, past):
+        return self._logged("draft", self.real.run_draft_greedy, feeds, past)
+
+
+@pytest.mark.parametrize("spec", ["adaptive", "fixed:3"])
+def test_a_prompt_with_a_call_of_its_own_gets_its_first_token_before_the_decode_rows_draft(tiny_artifact, spec):
+    """A prompt that arrives while another request decodes (and drafts), where padding the decode row to the
+    prompt's length costs more than a second call: its call runs first in the step, and its first token is
+    out before the decode row drafts and verifies (which need not wait for it). Outputs are those of `off`."""
+    prompts = ["def fib(n):", "return self.x + 1\n" * 6]
+    cfgs = [GenerationConfig(max_new_tokens=24, spec="fixed:3"), GenerationConfig(max_new_tokens=8, spec=spec)]
+    rt = Runtime.load(tiny_artifact, profile="none", max_batch=2)
+    try:
+        rt.cost = _shape_cost_table([1.0, 0.01, 0.0, 50.0])  # padding dear: prompt chunks get their own call
+        rt._ensure_worker = lambda: None  # the test steps the runtime itself
+        log = rt.drafter.backend = rt.verifier.backend = _CallLog(rt.backend)
+        first = rt.submit(prompts[0], cfgs[0])
+        while first.stats.generated < 4:  # it decodes (and drafts) before the second prompt arrives
+            rt.step()
+        second = rt.submit(prompts[1], cfgs[1])
+        start = len(log.calls)
+        rt.step()
+        step = log.calls[start:]
+        n = len(rt.encode(prompts[1]))
+        # the prompt's own call first, then the decode row's drafting and its verify call
+        assert step[0][:3] == ("target", 1, n)
+        assert [c[0] for c in step[1:]] == ["draft"] * (len(step) - 2) + ["target"] and len(step) > 2
+        assert second.stats.generated == 1 and second.stats.t_first < step[1][3]
+        while rt.step():
+            pass
+        got = [rt.result(r, p).token_ids for r, p in zip((first, second), prompts)]
+    finally:
+        rt.close()
+    rt = Runtime.load(tiny_artifact, profile="none")
+    try:
+        assert got == [r.token_ids for r in rt.generate(prompts, [
+            GenerationConfig(max_new_tokens=c.max_new_tokens, spec="off") for c in cfgs])]
+    finally:
+        rt.close()
+
+
 def test_arriving_prompts_wait_to_share_a_prefill_call_when_calls_are_dear(tiny_artifact):
     """Four slots, twelve requests of different lengths, so prompts keep arriving while others decode.
     With calls dear (a large fixed cost) and padding dearer, arriving prompts wait (at most MAX_WAIT

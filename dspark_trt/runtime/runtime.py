@@ -411,9 +411,14 @@ class Runtime:
         # be seen.
         self.costs.observing = self.costs.learning and (depth.exploring or depth.checking
                                 or self.metrics.steps % self.tuning.cost_observe_every == 0)
+        # Prompt chunks that get a call of their own go first: their first tokens need not wait for the
+        # decode rows' drafting and verification.
+        ahead = self.verifier.prompts_ahead(batch)
+        if ahead is not None:
+            self.committer.commit_prompts(ahead.chunked, ahead.outs["next_token"])
         drafted = self.drafter.draft(batch, depth, cost)  # -> Draft named tuples, read by name
         plan = self.verify_planner.plan(batch, drafted, cost, depth.exploring)
-        result = self.verifier.run(batch, drafted, plan)
+        result = self.verifier.run(batch, drafted, plan, ahead)
         if result is None:
             return True
         self.committer.commit(batch, drafted, result, plan)

@@ -10,7 +10,8 @@ __all__ = ["Committer"]
 
 
 class Committer:
-    """Call order: ``commit(batch, drafted, result, plan)`` once per step, after verification."""
+    """Call order: ``commit_prompts(...)`` for prompt chunks fed ahead of the step's drafting, if any;
+    ``commit(batch, drafted, result, plan)`` once per step, after verification."""
 
     def __init__(self, tokenizer, eos_ids, max_context: int, metrics, admission):
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, frozenset(eos_ids), max_context
@@ -48,12 +49,18 @@ class Committer:
                     st.accepted_per_position[k] += 1
             self.metrics.record_acceptance(L, a)
             self.extend(r, new, now)
-        nd = len(batch.decode)
-        for j, (r, n) in enumerate(result.chunked):
-            r.target_len += n
-            if r.uncached == 0:  # the whole prompt is in the cache: its last row gave the first token
-                self.extend(r, [int(next_tok[nd + j])], now)
+        if not result.prompts_committed:
+            self.commit_prompts(result.chunked, next_tok[len(batch.decode):], now)
         self.admission.release_finished()
+
+    def commit_prompts(self, chunked, next_tok, now: float | None = None) -> None:
+        """Prompt chunks fed: each request's cache grows by its chunk; one whose whole prompt is cached now has
+        its first token (the chunk's last row gave it)."""
+        now = time.perf_counter() if now is None else now
+        for (r, n), tok in zip(chunked, next_tok):
+            r.target_len += n
+            if r.uncached == 0:
+                self.extend(r, [int(tok)], now)
 
     def extend(self, r: Request, new: list[int], now: float) -> None:
         """Append tokens to a request, up to its limits; finish it at a stop."""

@@ -2,7 +2,9 @@
 
 Decode rows come first (the last token plus the drafts each verifies), prompt chunks fill the rest of
 the step's token budget. Prompt chunks get a call of their own when padding every decode row to the
-chunk's length would cost more than a second call (costs/call_shape.py).
+chunk's length would cost more than a second call (costs/call_shape.py); that call then runs first, before
+the decode rows draft (``prompts_ahead``), so a prompt's first token waits for neither their drafting nor
+their verification.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dspark_trt.runtime.batch import pack_queries, token_slots, verify_rows, zer
 from dspark_trt.runtime.costs.call_shape import packed_shape
 from dspark_trt.runtime.request import Request
 
-__all__ = ["VerifyResult", "Verifier"]
+__all__ = ["PromptsAhead", "VerifyResult", "Verifier", "prompt_chunks"]
 
 
 class VerifyResult(NamedTuple):
@@ -38,6 +40,34 @@ class VerifyResult(NamedTuple):
     prefill_model_ms: float = 0.0  # the cost model's ms for the prompt chunks (their own call or their share)
     aux: list | None = None  # per row, the target's aux_hidden of its fed tokens (graphs that have it: DSpark)
     switch_ms: float = 0.0  # time bringing a decode graph's cache copy up to date (a switch's cost, not priced)
+    prompts_committed: bool = False  # the prompt chunks ran ahead and their tokens are committed already
+
+
+class PromptsAhead(NamedTuple):
+    """The step's prompt chunks, fed in a call of their own before the decode rows drafted."""
+
+    chunked: list[tuple[Request, int]]  # (request, tokens)
+    queries: list[list[int]]
+    past_lens: list[int]
+    outs: dict  # the call's outputs
+    ms: float  # engine ms
+    tokens: int
+    full: float  # full ms (feeds, engine, KV write)
+    synced: float  # ms of it syncing a cache copy
+    verified: int  # rows the acceptance ops scored
+
+
+def prompt_chunks(prefill, budget: int, chunk: int) -> list:
+    """(request, tokens) of the prompt chunks a step feeds: each up to `chunk` tokens, in order, within the
+    `budget` of tokens the decode rows leave."""
+    out = []
+    for r in prefill:
+        n = min(r.uncached, chunk, budget)
+        if n <= 0:
+            break
+        out.append((r, n))
+        budget -= n
+    return out
 
 
 class Verifier:
@@ -50,8 +80,29 @@ class Verifier:
         self._graph, self._same = None, 0  # the graph of the last target call, and its calls before in a row
         self._prompts = False  # the last target call fed a prompt chunk
 
-    def run(self, batch, drafted, plan) -> VerifyResult | None:
-        """The target step; None when nothing was fed (no decode row and no room for a prompt chunk)."""
+    def prompts_ahead(self, batch) -> PromptsAhead | None:
+        """Feed the step's prompt chunks now, in a call of their own, when they would get one anyway (packing
+        them among the decode rows costs more, decode rows priced at one token each: drafts only widen
+        them); None otherwise (no chunk, no decode row, or packing is cheaper: they go with the verify call)."""
+        if not (batch.prefill and batch.decode):
+            return None
+        nd = len(batch.decode)
+        chunked = prompt_chunks(batch.prefill, self.max_tokens_per_step - nd, min(self.tuning.prefill_chunk,
+                                                                                    self.query_len_max))
+        if not chunked:
+            return None
+        queries = [r.tokens[r.target_len:r.target_len + n] for r, n in chunked]
+        past_lens = [r.target_len for r, _ in chunked]
+        if not self.costs.split_prefill([1] * nd, [r.target_len for r in batch.decode], [n for _, n in chunked],
+                                        past_lens):
+            return None
+        outs, ms, tokens, m, full, synced = self._call([r for r, _ in chunked], queries, past_lens,
+                                                       [0] * len(chunked), {}, False, True)
+        return PromptsAhead(chunked, queries, past_lens, outs, ms, tokens, full, synced, m)
+
+    def run(self, batch, drafted, plan, ahead: PromptsAhead | None = None) -> VerifyResult | None:
+        """The target step; None when nothing was fed (no decode row and no room for a prompt chunk).
+        ahead: the step's prompt chunks, already fed (prompts_ahead)."""
         decode, drafts, lengths = batch.decode, drafted.drafts, plan.lengths
         queries, vlens = [], []
         budget = self.max_tokens_per_step
@@ -61,23 +112,24 @@ class Verifier:
             queries.append(q)
             vlens.append(L)
             budget -= len(q)
-        chunked = []
-        for r in batch.prefill:
-            n = min(r.uncached, self.tuning.prefill_chunk, self.query_len_max, max(budget, 0))
-            if n <= 0:
-                break
-            queries.append(r.tokens[r.target_len:r.target_len + n])
-            vlens.append(0)
-            chunked.append((r, n))
-            budget -= n
+        if ahead is None:
+            chunked = prompt_chunks(batch.prefill, budget, min(self.tuning.prefill_chunk, self.query_len_max))
+            queries += [r.tokens[r.target_len:r.target_len + n] for r, n in chunked]
+        else:
+            chunked = ahead.chunked
+            queries += ahead.queries
+        vlens += [0] * len(chunked)
         order = decode + [r for r, _ in chunked]
         if not order:
             return None
         nd = len(decode)
         query_lens = [len(q) for q in queries]
-        past_lens = [r.target_len for r in order]
+        past_lens = [r.target_len for r in decode] + [r.target_len for r, _ in chunked]
+        if ahead is not None:
+            past_lens[nd:] = ahead.past_lens  # before the call that fed them
         groups = [range(len(order))]
-        if nd and chunked and self.costs.split_prefill(query_lens[:nd], past_lens[:nd], query_lens[nd:], past_lens[nd:]):
+        if ahead is not None or (nd and chunked and self.costs.split_prefill(
+                query_lens[:nd], past_lens[:nd], query_lens[nd:], past_lens[nd:])):
             groups = [range(nd), range(nd, len(order))]
         accepted = np.zeros(len(order), dtype=np.int64)
         next_tok = np.zeros(len(order), dtype=np.int64)
@@ -85,10 +137,14 @@ class Verifier:
         aux = None
         switch = 0.0
         for g in groups:
-            # a prompt chunk packed among decode rows (the rows before nd): its padding shows (call_shape.py)
-            outs, ms, tokens, m, full, synced = self._call([order[i] for i in g], [queries[i] for i in g],
-                                                           [past_lens[i] for i in g], [vlens[i] for i in g],
-                                                           drafts, g.start < nd < g.stop, g.stop > nd)
+            if ahead is not None and g.start == nd:
+                outs, ms, tokens, m, full, synced = (ahead.outs, ahead.ms, ahead.tokens, ahead.verified, ahead.full,
+                                                     ahead.synced)
+            else:
+                # a prompt chunk packed among decode rows (the rows before nd): its padding shows (call_shape.py)
+                outs, ms, tokens, m, full, synced = self._call([order[i] for i in g], [queries[i] for i in g],
+                                                               [past_lens[i] for i in g], [vlens[i] for i in g],
+                                                               drafts, g.start < nd < g.stop, g.stop > nd)
             accepted[g.start:g.stop] = outs["accepted"]
             next_tok[g.start:g.stop] = outs["next_token"]
             if "aux_hidden" in outs:
@@ -105,7 +161,7 @@ class Verifier:
                              else self.costs.prefill_share(query_lens, past_lens, nd))
         return VerifyResult(order, chunked, np.asarray(vlens, dtype=np.int64), accepted, next_tok, query_lens,
                             past_lens, len(groups), ms, target_ms, target_tokens, verified, priced, prefill_model,
-                            aux, switch)
+                            aux, switch, ahead is not None)
 
     def _call(self, order: list[Request], queries: list[list[int]], past_lens: list[int], vlens: list[int],
               drafts: dict, chunk_among: bool = False, prompts: bool = False):
