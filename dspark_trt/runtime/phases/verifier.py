@@ -124,9 +124,9 @@ class Verifier:
             return None
         nd = len(decode)
         query_lens = [len(q) for q in queries]
-        past_lens = [r.target_len for r in decode] + [r.target_len for r, _ in chunked]
-        if ahead is not None:
-            past_lens[nd:] = ahead.past_lens  # before the call that fed them
+        # (fed ahead: their pasts before that call)
+        past_lens = [r.target_len for r in decode] + (ahead.past_lens if ahead is not None
+                                                       else [r.target_len for r, _ in chunked])
         groups = [range(len(order))]
         if ahead is not None or (nd and chunked and self.costs.split_prefill(
                 query_lens[:nd], past_lens[:nd], query_lens[nd:], past_lens[nd:])):
