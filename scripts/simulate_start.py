@@ -114,21 +114,12 @@ def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, to
             first: int = 512) -> tuple[float, float]:
     """Simulated output tok/s of one cold run: over the whole run, and over its first `first` tokens (from
     the submission to the end of the step that reached them, as the bench's first_tokens_tok_s)."""
+    from dspark_trt.bench.latency import first_tokens_rate
     from dspark_trt.bench.start_profile import cold_runtime
     from dspark_trt.runtime import GenerationConfig
 
     rt = cold_runtime(warm, start, tuning)
     clock = on_true_costs(rt, truth)
-    reached = []
-    commit = rt.committer.commit
-
-    def commit_and_count(*args):
-        out = commit(*args)
-        if not reached and rt.metrics.output_tokens >= first:
-            reached.append((clock(), rt.metrics.output_tokens))
-        return out
-
-    rt.committer.commit = commit_and_count
     try:
         with simulated_time(clock):
             rt.admission.max_batch = concurrency
@@ -139,10 +130,11 @@ def one_run(warm, start, truth, prompts, mode: str, tuning, concurrency: int, to
             for r in reqs:
                 r.done.wait()
             ms = (clock() - t0) * 1e3
+            timeline = list(rt.metrics.timeline)  # (simulated clock at each step's end, tokens out so far)
     finally:
         rt.close()
-    first_rate = reached[0][1] / (reached[0][0] - t0) if reached and reached[0][0] > t0 else float("nan")
-    return sum(len(r.generated_ids) for r in reqs) / ms * 1e3, first_rate
+    first_rate = first_tokens_rate(timeline, [{"submitted_at": t0}], first)
+    return sum(len(r.generated_ids) for r in reqs) / ms * 1e3, float("nan") if first_rate is None else first_rate
 
 
 def main() -> None:

@@ -70,12 +70,18 @@ def prompt_chunks(prefill, budget: int, chunk: int) -> list:
     return out
 
 
+def chunk_queries(chunked) -> list[list[int]]:
+    """The tokens each prompt chunk feeds: its request's next uncached ones."""
+    return [r.tokens[r.target_len:r.target_len + n] for r, n in chunked]
+
+
 class Verifier:
     """Call order: ``run(batch, drafted, plan)`` once per step."""
 
     def __init__(self, backend, kv, tuning, limits, costs, metrics):
         self.backend, self.kv, self.tuning, self.costs, self.metrics = backend, kv, tuning, costs, metrics
         self.vocab, self.max_tokens_per_step, self.query_len_max = limits
+        self.chunk = min(tuning.prefill_chunk, self.query_len_max)  # most prompt tokens of a request in one call
         self._zeros: np.ndarray | None = None  # see _zero_probs
         self._graph, self._same = None, 0  # the graph of the last target call, and its calls before in a row
         self._prompts = False  # the last target call fed a prompt chunk
@@ -87,11 +93,10 @@ class Verifier:
         if not (batch.prefill and batch.decode):
             return None
         nd = len(batch.decode)
-        chunked = prompt_chunks(batch.prefill, self.max_tokens_per_step - nd, min(self.tuning.prefill_chunk,
-                                                                                    self.query_len_max))
+        chunked = prompt_chunks(batch.prefill, self.max_tokens_per_step - nd, self.chunk)
         if not chunked:
             return None
-        queries = [r.tokens[r.target_len:r.target_len + n] for r, n in chunked]
+        queries = chunk_queries(chunked)
         past_lens = [r.target_len for r, _ in chunked]
         if not self.costs.split_prefill([1] * nd, [r.target_len for r in batch.decode], [n for _, n in chunked],
                                         past_lens):
@@ -113,8 +118,8 @@ class Verifier:
             vlens.append(L)
             budget -= len(q)
         if ahead is None:
-            chunked = prompt_chunks(batch.prefill, budget, min(self.tuning.prefill_chunk, self.query_len_max))
-            queries += [r.tokens[r.target_len:r.target_len + n] for r, n in chunked]
+            chunked = prompt_chunks(batch.prefill, budget, self.chunk)
+            queries += chunk_queries(chunked)
         else:
             chunked = ahead.chunked
             queries += ahead.queries
