@@ -254,9 +254,19 @@ def test_nothing_admitted_means_no_depth():
     assert cap_depth(np.zeros(4, dtype=int), np.ones((4, 3)), padded_call(4, 1.0, 1.0)) == 0
 
 
-def test_table_agrees_with_single_calls():
+def test_table_agrees_with_single_calls_at_every_past_and_after_the_model_moves():
+    """The table is asked every step with the step's past: whatever it keeps between steps, it says what
+    single calls say, at any past, after a level moved and after a refit replaced the coefficients."""
     m = CallShapeCost(MEASURED)
-    m.observe(64, 32, 2, 100, 80.0)
     t, longest = np.arange(1, 40, dtype=float), np.ceil(np.arange(1, 40, dtype=float) / 5)  # both rising
-    np.testing.assert_allclose(m.table(t, 16, longest, 120),
-                               [m.ms(int(a), 16, int(b), 120) for a, b in zip(t, longest)], rtol=1e-12)
+
+    def agrees():
+        for past in (0, 120, 500):
+            np.testing.assert_allclose(m.table(t, 16, longest, past),
+                                       [m.ms(int(a), 16, int(b), past) for a, b in zip(t, longest)], rtol=1e-12)
+
+    agrees()
+    m.observe(64, 16, 2, 100, 80.0)
+    agrees()
+    m.coef = MEASURED * np.array([1.0, 2.0, 1.0, 3.0])  # as a refit does: new coefficients
+    agrees()

@@ -145,6 +145,7 @@ class CallShapeCost:
         # since the last refit: (tokens, rows, longest, past, ms over the machine's speed then and the kind's
         # profile offset)
         self._calls: list = []
+        self._table_parts: dict = {}  # table(): the past-free parts of a grid's table, per (rows, grid)
 
     @classmethod
     def from_points(cls, points) -> "CallShapeCost":
@@ -217,10 +218,25 @@ class CallShapeCost:
         """:meth:`ms` over arrays of token counts and longest queries, both non-decreasing, for one set of rows
         (drift-corrected); never decreasing either: the plain calls' level may say a plain call costs more
         than verifying, which no call does."""
-        longest = np.asarray(longest, dtype=np.float64)
-        # Python floats: this runs every step, on a few dozen entries
-        base = call_ms(self.coef.tolist(), tokens, rows, longest, past)
-        return np.maximum.accumulate(np.atleast_1d(base * np.exp(self.drift(rows, longest))))
+        # This runs every step and the past moves every step, but the model is linear in the past: its two
+        # parts are kept per grid (the caller's arrays, held so their ids stay theirs) until a refit.
+        key = (rows, id(tokens), id(longest))
+        parts = self._table_parts.get(key)
+        if parts is None or parts[0] is not self.coef:
+            c = self.coef.tolist()
+            q = np.asarray(longest, dtype=np.float64)
+            parts = (self.coef, tokens, longest, c[0] + c[1] * np.asarray(tokens, dtype=np.float64)
+                     + c[3] * rows * q * q / 1000.0, c[2] * rows / 100.0 + c[3] * rows * q / 1000.0,
+                     int(np.searchsorted(q, 1.0, side="right")))  # plain calls (longest 1) come first
+            if len(self._table_parts) >= 256:
+                self._table_parts.clear()
+            self._table_parts[key] = parts
+        _, _, _, fixed, per_past, plain = parts
+        out = np.atleast_1d(fixed + per_past * past)
+        w = load_bucket(rows)
+        out[:plain] *= math.exp(self._kind_drift(w, False))
+        out[plain:] *= math.exp(self._kind_drift(w, True))
+        return np.maximum.accumulate(out, out=out)
 
     def depth_table(self, base: int, n_deep: int, past: int, max_depth: int) -> list[float]:
         """:meth:`table` of one call at depths j = 0..max_depth: `base` rows verify one token, `n_deep` rows
