@@ -109,6 +109,27 @@ def test_new_requests_use_the_prior_then_the_running_mean_profile():
     assert lengths.sum() == best_budget(sizing, COST.table, COST.draft)[0]
 
 
+@pytest.mark.parametrize("sampling", [True, False])  # the numpy path and the small greedy one
+def test_the_starting_profile_counts_as_prior_rows_rows_so_one_low_first_row_does_not_replace_it(sampling):
+    """A head that scores a request's first drafts low (all of them accepted) set the whole profile when the
+    first row replaced the starting one, and a fresh runtime at 1 request then planned no drafting for 64
+    requests. With prior_rows the starting profile is one row among prior_rows + 1."""
+    K = 4
+    start = 0.7 ** np.arange(1, K + 1)
+    low = geometric(1, K, 0.3)
+    ctl = AdaptiveController(prior_decay=1 / 256, prior_rows=16)
+    ctl.plan(low, ["a"], [sampling], COST, 1)
+    assert ctl.prior_row(K) == pytest.approx((16 * start + low[0]) / 17)
+    ctl.plan(low, ["a"], [sampling], COST, 1)
+    assert ctl.prior_row(K) == pytest.approx((16 * start + 2 * low[0]) / 18)  # a plain mean of rows so far
+    # prior_rows=0: the first row is the profile
+    ctl = AdaptiveController(prior_decay=1 / 256)
+    ctl.plan(low, ["a"], [sampling], COST, 1)
+    assert ctl.prior_row(K) == pytest.approx(low[0])
+    with pytest.raises(ValueError, match="prior_rows"):
+        AdaptiveController(prior_rows=-1)
+
+
 def test_the_mean_profile_weighs_steps_by_their_rows():
     """A step of R rows weighs max(R / rows seen, 1 - (1 - decay)^R): the plain mean of every row until
     ~1/decay rows are seen, then an average over about that many rows. So near-empty steps (a batch

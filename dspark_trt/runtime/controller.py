@@ -69,13 +69,17 @@ class AdaptiveController:
         profile is a plain mean until it has seen ~1/prior_decay rows. Weighting by rows, not steps, keeps
         a stretch of near-empty steps (a batch draining; by then mostly the requests that were slowest
         because they were least predictable) from replacing what dozens of full steps measured.
+    prior_rows: rows the starting profile counts as in that mean (0: the first step's rows replace it).
     """
 
     def __init__(self, *, prior_survival=None, prior_decay: float = RuntimeTuning.prior_decay,
-                 prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE, small_slots: int = SMALL_SLOTS):
+                 prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE, small_slots: int = SMALL_SLOTS,
+                 prior_rows: int = 0):
         if not 0 < prior_decay <= 1:
             raise ValueError(f"prior_decay must be in (0, 1]; got {prior_decay}")
-        self.prior_decay = float(prior_decay)
+        if prior_rows < 0:
+            raise ValueError(f"prior_rows must be >= 0; got {prior_rows}")
+        self.prior_decay, self.prior_rows = float(prior_decay), int(prior_rows)
         self.prior_acceptance = float(prior_acceptance)
         self._initial_prior = None if prior_survival is None else self._check_row(prior_survival)
         self.small_slots = small_slots  # up to this many slots the greedy plan runs in plain Python
@@ -87,7 +91,7 @@ class AdaptiveController:
         self._rows = np.zeros((0, 0))  # last step's survivals, one row per request ...
         self._row_of: dict[Hashable, int] = {}  # ... found by request id
         self._mean: np.ndarray | None = None
-        self._seen = 0  # rows folded into the running mean profile
+        self._seen = self.prior_rows  # rows folded into the running mean profile, the starting one's included
         self._cond: list[float] | None = None  # its conditional acceptances (conditional_acceptance)
 
     @staticmethod
@@ -103,6 +107,12 @@ class AdaptiveController:
         if base is None:
             return self.prior_acceptance ** np.arange(1, K + 1, dtype=np.float64)
         return _fit_width(base[None, :], K, self.prior_acceptance)[0]
+
+    def _base_profile(self, K: int) -> np.ndarray:
+        """What a step's mean rows are blended into: the running mean at width K, else the starting profile."""
+        if self._mean is None:
+            return self.prior_row(K)
+        return self._mean if self._mean.size == K else _fit_width(self._mean[None, :], K)[0]
 
     def conditional_acceptance(self, K: int) -> list[float]:
         """``[0, S_2/S_1, ..., S_K/S_(K-1)]`` of the prior profile (prior_row), as a list: the chance that
@@ -188,12 +198,9 @@ class AdaptiveController:
             R = rows.shape[0]
             mean = rows.sum(axis=0) / R
             self._seen += R
-            if self._mean is None:
-                self._mean = mean
-            else:
-                old = self._mean if self._mean.size == mean.size else _fit_width(self._mean[None, :], mean.size)[0]
-                w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
-                self._mean = (1 - w) * old + w * mean
+            old = self._base_profile(mean.size)
+            w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
+            self._mean = (1 - w) * old + w * mean
 
     def _plan_small(self, live, request_ids, sampling_mask, cost: CostModel, draft_batch: int, caps,
                     n_emitting=None, max_budget: int | None = None) -> np.ndarray | None:
@@ -245,10 +252,9 @@ class AdaptiveController:
         self._rows, self._row_of = np.array(rows, dtype=np.float64), row_of
         mean = [sum(col) / R for col in zip(*rows)]
         self._seen += R
-        if self._mean is not None:
-            old = self._mean.tolist() if self._mean.size == K else _fit_width(self._mean[None, :], K)[0].tolist()
-            w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
-            mean = [(1 - w) * a + w * b for a, b in zip(old, mean)]
+        w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
+        if w < 1.0:
+            mean = [(1 - w) * a + w * b for a, b in zip(self._base_profile(K).tolist(), mean)]
         self._mean = np.array(mean)
         self._cond = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(mean, mean[1:])]
 

@@ -100,7 +100,8 @@ class Runtime:
         self.costs = Costs(self.max_tokens_per_step, self.max_draft, t.overhead_window)
         self.costs.table = cost_table
         # The running survival profile and the stale rows that keep sampling lossless (controller.py).
-        self.controller = AdaptiveController(prior_decay=t.prior_decay, prior_acceptance=t.prior_acceptance)
+        self.controller = AdaptiveController(prior_decay=t.prior_decay, prior_acceptance=t.prior_acceptance,
+                                              prior_rows=t.prior_rows)
         c = t.correction
         # Without a confidence head the survivals are max probabilities: fit a slope on them too.
         self.survival_correction = (SurvivalCorrection(self.max_draft, c.damping, c.forget, c.max_step, c.bound,

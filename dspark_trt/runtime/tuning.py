@@ -247,6 +247,12 @@ class RuntimeTuning:
     prior_decay: float = 1 / 256
     """Weight of one request's step in the running survival profile (~1/prior_decay rows of memory)."""
 
+    prior_rows: int = 16
+    """Rows the starting survival profile (prior_acceptance^k) counts as in the running one. 0: the first
+    step's rows replace it, and a fresh runtime at 1 request whose first drafts the head scored low (all of
+    them accepted) planned no drafting again: on the bench's prompts it ran at `off`'s speed for its first
+    64 requests in 2 of 4 starts, 0.6x fixed:4 (16: drafting from the start in 4 of 4, lab notes)."""
+
     drift: DriftTuning = field(default_factory=DriftTuning)
     """Online drift correction of the cost tables."""
 
@@ -331,7 +337,7 @@ def _check(owner, name: str, value) -> str | None:
         return "must be a number"
     if base in _FRACTIONS:
         return None if 0 < value <= 1 else "must be in (0, 1]"
-    if base in ("plan_headroom", "max_verify_tokens", "explore_budget", "catch_up", "plain_check_every", "settle_calls",
+    if base in ("plan_headroom", "prior_rows", "max_verify_tokens", "explore_budget", "catch_up", "plain_check_every", "settle_calls",
                 "switch_calls"):
         return None if value >= 0 else "must be >= 0"
     if base == "bound_high":
