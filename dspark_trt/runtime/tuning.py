@@ -247,11 +247,12 @@ class RuntimeTuning:
     prior_decay: float = 1 / 256
     """Weight of one request's step in the running survival profile (~1/prior_decay rows of memory)."""
 
-    prior_rows: int = 16
+    prior_rows: int = 4
     """Rows the starting survival profile (prior_acceptance^k) counts as in the running one. 0: the first
     step's rows replace it, and a fresh runtime at 1 request whose first drafts the head scored low (all of
-    them accepted) planned no drafting again: on the bench's prompts it ran at `off`'s speed for its first
-    64 requests in 2 of 4 starts, 0.6x fixed:4 (16: drafting from the start in 4 of 4, lab notes)."""
+    them accepted) planned little or no drafting: on the bench's prompts 4 of 16 starts drafted in most steps
+    of their first 16 requests, one ran at `off`'s speed for 64 (4: 7 of 8; 16: 11 of 12, but 0.5x capacity's
+    TPOT p50 1.044x fixed:3's on the simulated open loop, against 1.017 with 4; lab notes)."""
 
     drift: DriftTuning = field(default_factory=DriftTuning)
     """Online drift correction of the cost tables."""
