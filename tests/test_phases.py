@@ -115,6 +115,45 @@ def test_while_the_machines_timings_are_not_its_own_it_neither_explores_nor_chec
         assert plan.checking == learning and (plan.steps > 0) != learning
 
 
+def test_an_exploration_drafts_as_deep_as_the_starting_profile_pays_best_not_the_running_one():
+    """The running profile says no depth pays (a fresh start's head scored its first drafts low); what an
+    exploration tests is whether that is so, and one token deep it could not tell (at 1 request with
+    plain decoding on a graph of its own, 1.9 tokens for ~2x a plain step's time). So it drafts as deep as
+    pays best with the starting profile, and is charged for that depth."""
+    from dspark_trt.runtime.solver import best_draft_depth
+
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 1.0) * (np.arange(K + 2) > 0))
+    controller = AdaptiveController()
+    rows = [[0.05 ** (k + 1) for k in range(K)]]
+    controller.plan(rows, [0], [False], costs.table, 1)  # the first row replaces the starting profile
+    planner = DepthPlanner(K, replace(RuntimeTuning(), explore_budget=0.5), controller)
+    cost = costs.for_step(1, 0)
+    plans = [planner.plan_for(1, 1, cost) for _ in range(40)]
+    explored = [p for p in plans if p.exploring]
+    assert explored and all(p.steps == 0 for p in plans if not p.exploring)
+    verify = cost.depth_verify_ms(0, 1)
+    depth, _ = best_draft_depth(controller.starting_row(K), 1, verify, 1.0, float("inf"), cost.overhead("spec"))
+    assert depth >= 2 and all(p.steps == depth for p in explored)
+    plain_ms = cost.overhead("plain") + verify[0]
+    assert explored[0].explore_ms == pytest.approx(cost.overhead("spec") + depth * 1.0 + verify[depth] - plain_ms
+                                                   + costs.switch.calls * verify[0])
+
+
+def test_an_exploration_confirms_the_plan_only_if_neither_its_survivals_nor_its_acceptances_say_drafting_paid():
+    from dspark_trt.runtime.phases.exploration import ExplorationSchedule
+
+    confirms = ExplorationSchedule.confirms
+    # 1 row, plain step 1 ms; the exploring step took 2 ms (its catch-up aside)
+    assert confirms(1, 1, expected=0.4, accepted=0, plain_ms=1.0, drafting_ms=2.0)
+    # the head expected 0.4 but all 3 drafts were accepted: 4 tokens in 2 ms beat 1 in 1 ms
+    assert not confirms(1, 1, expected=0.4, accepted=3, plain_ms=1.0, drafting_ms=2.0)
+    # a run of rejections where the survivals expected 2.5: one step's outcomes are too few to confirm by
+    assert not confirms(1, 1, expected=2.5, accepted=0, plain_ms=1.0, drafting_ms=2.0)
+    # 64 rows at 20 ms a plain step: 64 + 40 accepted drafts in 40 ms do not beat 64 in 20 ms
+    assert confirms(64, 64, expected=38.0, accepted=40, plain_ms=20.0, drafting_ms=40.0)
+
+
 def test_drafting_is_priced_at_the_steps_past():
     """A draft call's cost grows with the tokens cached per row (costs/draft_past.py): the same batch that
     drafts at the profile's past does not where draft calls cost 40x as much."""
@@ -304,6 +343,21 @@ def test_fixed_requests_verify_what_they_drafted_up_to_k_and_adaptive_ones_what_
     assert plan.lengths[0] == 2 and 2 not in plan.lengths
     assert 0 <= plan.lengths[1] <= 2 and plan.solver_us >= 0
     assert costs.break_even >= 0.0  # set for the next step's drafting
+
+
+def test_an_exploring_step_verifies_all_it_drafted_whatever_the_survivals_admit():
+    """Its depth was fixed before drafting, so verifying all of it keeps sampling lossless; and its
+    outcomes at every drafted position are what the survival correction learns from."""
+    costs = Costs(64, K)
+    costs.table = CostTable(np.arange(64, dtype=float) + 10.0, np.full(K + 2, 5.0) * (np.arange(K + 2) > 0))
+    planner = VerifyPlanner(K, RuntimeTuning(), AdaptiveController(), None, costs)
+    sure, unsure = request(0), request(1, temperature=1.0)
+    drafts = {0: Draft([7, 8, 9], [], np.ones(3, np.float32), [0.02, 0.01, 0.005]),
+              1: Draft([7, 8], [np.ones(4)] * 2, np.ones(2, np.float32), [0.02, 0.01])}
+    batch = SimpleNamespace(decode=[sure, unsure])
+    step = DraftRound(drafts, 0.0, 0.0, 0.0)
+    assert sum(planner.plan(batch, step, costs.for_step(2, 0)).lengths.values()) < 5
+    assert planner.plan(batch, step, costs.for_step(2, 0), explore=True).lengths == {0: 3, 1: 2}
 
 
 def test_a_steps_predicted_ms_counts_the_whole_drafting_time_not_only_its_engine_calls():

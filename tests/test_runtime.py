@@ -208,7 +208,7 @@ def _depths(rt, n_adaptive, n_decode, steps):
     return [rt.depth_planner.plan_for(n_adaptive, n_decode, cost).steps for _ in range(steps)]
 
 
-def test_when_drafting_does_not_pay_exploration_drafts_one_token_now_and_then_within_its_budget(tiny_artifact):
+def test_when_drafting_does_not_pay_exploration_drafts_now_and_then_within_its_budget(tiny_artifact):
     from dspark_trt.runtime.costs.table import CostTable
 
     rt = Runtime.load(tiny_artifact, profile="none")
@@ -222,6 +222,7 @@ def test_when_drafting_does_not_pay_exploration_drafts_one_token_now_and_then_wi
     finally:
         rt.close()
     explored = [p for p in plans if p.exploring]
+    # even the starting profile pays best one draft deep at these costs
     assert all(p.steps == 1 for p in explored) and all(p.steps == 0 for p in plans if not p.exploring)
     plain_ms, explore_ms = explored[0].plain_ms, explored[0].explore_ms
     # verify 8 tokens; + a draft call, 8 more tokens and the switch of graphs (costs/switch.py, in plain calls)
@@ -230,6 +231,29 @@ def test_when_drafting_does_not_pay_exploration_drafts_one_token_now_and_then_wi
     assert 3 <= len(explored) and len(explored) * explore_ms <= t.explore_budget * len(plans) * plain_ms
     gaps = np.diff([i for i, p in enumerate(plans) if p.exploring])
     assert (np.diff(gaps) >= -1).all()  # the share falls as explorations accumulate: the gaps grow
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_exploring_step_drafts_its_whole_depth_and_verifies_all_of_it(tiny_artifact, temperature):
+    """Whatever the draft's survivals say after each call (no early stop), and greedy output is the
+    target's."""
+    from dspark_trt.runtime.phases.depth_planner import DepthPlan
+
+    rt = Runtime.load(tiny_artifact, profile="none")
+    try:
+        rt.depth_planner.plan = lambda batch, cost: DepthPlan(3, True, 0.0, 1.0, 0.0)
+        cfg = GenerationConfig(max_new_tokens=40, spec="adaptive", temperature=temperature, seed=1)
+        outs = rt.generate(PROMPTS[:3], cfg)
+        steps = [s for s in rt.metrics.step_log if s["decode_requests"]]
+        ref = [o.token_ids for o in rt.generate(PROMPTS[:3], replace(cfg, spec="off"))]
+    finally:
+        rt.close()
+    assert all(s["explore"] for s in steps)
+    # at most 4 tokens a step: for 5 steps every row has room for 3 drafts more
+    assert [s["drafted"] for s in steps[:5]] == [[3, 3, 3]] * 5
+    assert all(s["verify_lens"] == s["drafted"] for s in steps)
+    if not temperature:
+        assert [o.token_ids for o in outs] == ref
 
 
 def test_the_draft_depth_plan_is_redone_every_plan_every_steps(tiny_artifact):

@@ -102,11 +102,16 @@ class AdaptiveController:
         return np.minimum.accumulate(r)
 
     def prior_row(self, K: int) -> np.ndarray:
-        """The sizing row for a request with no previous row: running mean profile, else the initial prior."""
-        base = self._mean if self._mean is not None else self._initial_prior
-        if base is None:
+        """The sizing row for a request with no previous row: running mean profile, else the starting one."""
+        if self._mean is None:
+            return self.starting_row(K)
+        return _fit_width(self._mean[None, :], K, self.prior_acceptance)[0]
+
+    def starting_row(self, K: int) -> np.ndarray:
+        """The profile before any step: prior_survival, else prior_acceptance^k."""
+        if self._initial_prior is None:
             return self.prior_acceptance ** np.arange(1, K + 1, dtype=np.float64)
-        return _fit_width(base[None, :], K, self.prior_acceptance)[0]
+        return _fit_width(self._initial_prior[None, :], K, self.prior_acceptance)[0]
 
     def _base_profile(self, K: int) -> np.ndarray:
         """What a step's mean rows are blended into: the running mean at width K, else the starting profile."""

@@ -3,8 +3,8 @@
 From the running survival profile (which does not depend on this step's drafts) and the step's costs
 (solver.best_draft_depth); one step of headroom lets live survivals ask for more. A plan is reused per
 batch shape for a few steps (the profile moves slowly). When no drafting pays, nothing is drafted but
-scheduled exploration (exploration.py) drafts one token now and then, within a budget, so a cost model
-or a survival profile that is wrong about drafting is shown wrong; while drafting pays, a plain step now
+scheduled exploration (exploration.py) drafts now and then, within a budget, so a cost model or a
+survival profile that is wrong about drafting is shown wrong; while drafting pays, a plain step now
 and then (plain_check.py) shows a model that is wrong the other way.
 """
 
@@ -28,7 +28,8 @@ class DepthPlan(NamedTuple):
     """The draft depth of one step."""
 
     steps: int  # draft steps adaptive requests get this step
-    exploring: bool = False  # this step's drafting is scheduled exploration (the model plans none)
+    exploring: bool = False  # this step's drafting is scheduled exploration (the model plans none): draft
+    # `steps` deep and verify all of it
     explore_ms: float = 0.0  # an exploring step's modelled extra ms over a plain step
     plain_ms: float = 0.0  # an exploring step's modelled ms without drafting
     charged_ms: float = 0.0  # what the exploration schedule charged for it (its catch-up included)
@@ -43,7 +44,8 @@ class _CachedPlan(NamedTuple):
     until: int  # the planner's step count at which it is made again
     moves: int  # the cost model's moves when it was made (CostTable.moves): made again once they change
     plain_ms: float  # modelled ms of a step without drafting
-    explore_ms: float  # modelled extra ms of exploring (one draft call, verify one more token a row, a switch)
+    explore_depth: int  # draft depth of an exploration
+    explore_ms: float  # modelled extra ms of exploring (its draft calls, verifying them, a switch)
 
 
 class DepthPlanner:
@@ -125,7 +127,7 @@ class DepthPlanner:
             charged = self.exploration.due(n_decode, cached.plain_ms, cached.explore_ms, catch_up or 0.0)
             if charged is not None:
                 self._cache.pop(key)
-                return DepthPlan(1, True, cached.explore_ms, cached.plain_ms, charged)
+                return DepthPlan(cached.explore_depth, True, cached.explore_ms, cached.plain_ms, charged)
             return DepthPlan(0)
         shape = cost.costs.shape
         if learning and self.plain_checks.due(n_decode, shape is None or shape.observed(n_decode, plain=True)):
@@ -174,6 +176,16 @@ class DepthPlanner:
             start, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec + switch / switch_horizon,
                                         others=others)
         plain_ms = plain + float(verify[0])
-        explore_ms = (cost.overhead("spec") + explore_draft_ms + float(verify[min(1, len(verify) - 1)]) - plain_ms
-                      + switch)
-        return _CachedPlan(depth, start, until, moves, plain_ms, explore_ms)
+        # An exploration drafts as deep as pays best with the starting survival profile, not the running one:
+        # what it tests is whether that profile is too pessimistic, and its own best depth is then none. One
+        # token deep, at 1 request with plain decoding on a graph of its own, an exploration never paid
+        # (1.9 tokens for ~2x a plain step's time), so a profile cut down by a fresh start's first rows
+        # (0.41 / 0.18 / 0.08) stayed at `off`'s speed for good where fixed:4 ran 1.75x faster.
+        start_prof = self.controller.starting_row(self.max_draft)
+        base_spec = cost.overhead("spec") + (0.0 if self.sequential else explore_draft_ms)
+        # plain_ms infinite: the best depth of at least one, whether or not it beats plain decoding
+        explore_depth = max(1, best_draft_depth(start_prof, n_adaptive, verify, draft_ms, float("inf"), base_spec,
+                                                others=others)[0])
+        explore_ms = (base_spec + explore_depth * draft_ms + float(verify[min(explore_depth, len(verify) - 1)])
+                      - plain_ms + switch)
+        return _CachedPlan(depth, start, until, moves, plain_ms, explore_depth, explore_ms)

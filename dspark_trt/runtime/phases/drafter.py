@@ -88,7 +88,7 @@ class Drafter:
         spec = drafting_rows(batch.decode, depth.steps, self.cap)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
-        return self.run(spec, depth.steps)
+        return self.run(spec, depth.steps, stop_early=not depth.exploring)
 
     def observe(self, batch, result) -> None:
         """After commit: nothing to do, the classic draft catches up on committed tokens when it drafts."""
@@ -123,8 +123,9 @@ class Drafter:
             self.kv.write(present, feeds["positions"], token_slots(feeds))
         return call
 
-    def run(self, reqs: list[Request], depth: int) -> DraftRound:
-        """Catch the draft up, then draft for `reqs` (up to `depth` tokens for adaptive ones)."""
+    def run(self, reqs: list[Request], depth: int, stop_early: bool = True) -> DraftRound:
+        """Catch the draft up, then draft for `reqs` (up to `depth` tokens for adaptive ones; stop_early:
+        adaptive ones stop once another draft would not pay, keep_drafting; else, exploring, all `depth`)."""
         self._priced_ms = 0.0
         caps = {r.id: self.cap(r, depth) for r in reqs}
         engine_ms, switch_ms, prompt_ms = self._catch_up(reqs)
@@ -163,11 +164,12 @@ class Drafter:
                 if len(toks[rid]) < caps[rid]:
                     nxt.append(r)
                     nq.append([t])
-            keep = self.keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], corr, k + 1,
-                                      test_call=not any(r.mode.kind != "adaptive" for r in nxt),
-                                      sampled_caps=sampled_caps)
-            nq = [q for r, q in zip(nxt, nq) if r.mode.kind != "adaptive" or r.id in keep]
-            nxt = [r for r in nxt if r.mode.kind != "adaptive" or r.id in keep]
+            if stop_early:
+                keep = self.keep_drafting([r for r in nxt if r.mode.kind == "adaptive"], corr, k + 1,
+                                          test_call=not any(r.mode.kind != "adaptive" for r in nxt),
+                                          sampled_caps=sampled_caps)
+                nq = [q for r, q in zip(nxt, nq) if r.mode.kind != "adaptive" or r.id in keep]
+                nxt = [r for r in nxt if r.mode.kind != "adaptive" or r.id in keep]
             # Tokens fed this call are in the draft cache only provisionally: roll back to the committed
             # prefix; commit advances draft_len by what the target accepts.
             current, queries = nxt, nq

@@ -2,18 +2,19 @@
 
 A cost model that is too pessimistic about drafting (a profile measured on a busy machine, draft calls
 3x too dear) stops drafting, and then no draft call is ever observed to show it wrong. So while the
-model plans no drafting, a step now and then drafts one token for every adaptive request and verifies
-it: its draft call, its wider verify call and its acceptances are fed to the cost tables and the
+model plans no drafting, a step now and then drafts for every adaptive request (as deep as drafting
+pays best with the starting survival profile: the running one is what is being tested) and verifies it
+all: its draft call, its wider verify call and its acceptances are fed to the cost tables and the
 survival correction (the runtime observes every call of an exploring step), and the next plan reads
 what they learned.
 
 The schedule is a budget, not a period: every step the model plans no drafting earns a share of its
 modelled step time as credit (per load bucket), and an exploration runs once the credit covers what it
-is expected to cost: its modelled extra time (one draft call, one more verified token a request, a
-drafting step's overhead) plus the draft catching up on what it has not seen (the requests' prompts and
+is expected to cost: its modelled extra time (its draft calls, the tokens it verifies, a drafting
+step's overhead, a switch of graphs) plus the draft catching up on what it has not seen (the requests' prompts and
 the text generated since it last drafted), at the rate the drafter's catch-up calls measured (the first
 one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit
-(a saving earns credit only where it did not confirm the plan not to draft).
+(a saving earns credit only where it did not confirm the plan not to draft: ``confirms``).
 So exploring costs at most that share of plain steps' time, bar the first catch-up ever timed, and stops
 where even its catch-up cannot fit; credit saved up beyond an exploration's charge is dropped when it
 runs, so long savings never pay for a burst. The share starts at ``explore_budget`` and falls as
@@ -106,6 +107,19 @@ class ExplorationSchedule:
             # the very next step (16 requests, a busy machine's profile) that learned nothing new.
             load.credit = min(load.credit, 0.0)
         load.confirmed += bool(confirmed)
+
+    @staticmethod
+    def confirms(plain_tokens: int, rows: int, expected: float, accepted: int, plain_ms: float,
+                 drafting_ms: float) -> bool:
+        """Whether an exploration confirmed the plan not to draft: the step it ran, drafting, would emit
+        fewer tokens per ms than the modelled plain step (plain_ms; its `rows` rows emit a token each), with
+        the exploring rows' drafts counted both as their survivals expected and as accepted. plain_tokens:
+        what the step emitted without those drafts; drafting_ms: its measured ms, the catch-up aside.
+
+        Either count alone misjudged: one step's acceptances are few (a run of rejections confirmed a
+        profile 3x too dear about drafting), and a fresh start's head scored drafts that were all accepted
+        at 0.4 (the plan it confirmed kept one request at `off`'s speed where fixed:4 ran 1.75x faster)."""
+        return (rows + max(expected, accepted)) * plain_ms <= plain_tokens * drafting_ms
 
     def report(self) -> dict:
         return {1 << b: {"explorations": x.count, "confirmed": x.confirmed, "credit_ms": round(x.credit, 3)}

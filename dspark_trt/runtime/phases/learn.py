@@ -83,14 +83,9 @@ class Learner:
             # of finishes, prefill batching) whether it explores or not.
             prefill_ms = (result.last_call_ms if result.calls > 1
                           else costs.prefill_share(result.query_lens, result.past_lens, nd))
-            # It confirms the plan not to draft when the step it ran, drafting, would emit fewer tokens per
-            # ms (its catch-up aside) than the modelled plain step: the step's time as measured, the
-            # adaptive rows' accepted drafts as the survivals expected them (one step's acceptances are too
-            # few to judge by: a run of rejections confirmed a profile 3x too dear about drafting).
             gain = sum(int(min(accepted[i], vl[i])) for i, r in enumerate(batch.decode) if r.mode.kind == "adaptive")
-            plain = emitted - gain  # what the step emits without the adaptive rows' drafts
-            drafting_ms = wall_ms - prefill_ms - drafted.catch_up_ms
-            confirmed = (nd + plan.predicted_accepted) * depth.plain_ms <= plain * drafting_ms
+            confirmed = self.exploration.confirms(emitted - gain, nd, plan.predicted_accepted, gain, depth.plain_ms,
+                                                  wall_ms - prefill_ms - drafted.catch_up_ms)
             self.exploration.settle(nd, depth.charged_ms, wall_ms - prefill_ms - depth.plain_ms, confirmed)
         unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.catch_up_ms - result.switch_ms
         costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)

@@ -106,9 +106,10 @@ class VerifyPlanner:
                                     max_budget=max_budget)
         solver_us = (time.perf_counter_ns() - t) / 1e3
         # Exploration: survivals that are too pessimistic admit nothing, and then verification never shows
-        # that they are wrong; drafts made to explore the costs are there to be verified too. So verify the
-        # first draft of every request regardless (a decision independent of the drafts, so sampling stays
-        # lossless): on a scheduled exploring step, and after explore_every drafting steps that admitted none.
+        # that they are wrong; drafts made to explore the costs are there to be verified too. So verify
+        # regardless (decisions independent of the drafts, so sampling stays lossless): all that was drafted
+        # on a scheduled exploring step (its depth was fixed before drafting), the first draft of every
+        # request after explore_every drafting steps that admitted none.
         exploring = explore
         if self.correction is not None:
             self._unverified_steps = self._unverified_steps + 1 if not (plan.any() or explore) else 0
@@ -116,7 +117,7 @@ class VerifyPlanner:
                 self._unverified_steps = 0
                 exploring = True
         if exploring:
-            plan = np.maximum(plan, np.minimum(caps, 1))
+            plan = np.maximum(plan, caps if explore else np.minimum(caps, 1))
             plan[np.cumsum(plan) > max_budget] = 0  # the first rows, by position: independent of the drafts
         if not exploring and plan.any() and self.costs.shape is not None:
             plan = self._cap_depth(plan, live, decode, lengths, drafts, fixed_ms, cost)
