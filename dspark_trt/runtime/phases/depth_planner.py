@@ -180,7 +180,7 @@ class DepthPlanner:
         # what it tests is whether that profile is too pessimistic, and its own best depth is then none. One
         # token deep, at 1 request with plain decoding on a graph of its own, an exploration never paid
         # (1.9 tokens for ~2x a plain step's time), so a profile cut down by a fresh start's first rows
-        # (0.41 / 0.18 / 0.08) stayed at `off`'s speed for good where fixed:4 ran 1.75x faster.
+        # (0.41 / 0.18 / 0.08, one-token prompts) stayed at `off`'s speed where fixed:4 ran 1.75x faster.
         start_prof = self.controller.starting_row(self.max_draft)
         base_spec = cost.overhead("spec") + (0.0 if self.sequential else explore_draft_ms)
         # plain_ms infinite: the best depth of at least one, whether or not it beats plain decoding

@@ -11,9 +11,9 @@ what they learned.
 The schedule is a budget, not a period: every step the model plans no drafting earns a share of its
 modelled step time as credit (per load bucket), and an exploration runs once the credit covers what it
 is expected to cost: its modelled extra time (its draft calls, the tokens it verifies, a drafting
-step's overhead, a switch of graphs) plus the draft catching up on what it has not seen (the requests' prompts and
-the text generated since it last drafted), at the rate the drafter's catch-up calls measured (the first
-one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit
+step's overhead, a switch of graphs) plus the draft catching up on what it has not seen (the requests'
+prompts and the text generated since it last drafted), at the rate the drafter's catch-up calls measured
+(the first one finds out). Once it ran, what it measurably cost beyond a plain step is settled against the credit
 (a saving earns credit only where it did not confirm the plan not to draft: ``confirms``).
 So exploring costs at most that share of plain steps' time, bar the first catch-up ever timed, and stops
 where even its catch-up cannot fit; credit saved up beyond an exploration's charge is dropped when it
