@@ -113,12 +113,6 @@ class AdaptiveController:
             return self.prior_acceptance ** np.arange(1, K + 1, dtype=np.float64)
         return _fit_width(self._initial_prior[None, :], K, self.prior_acceptance)[0]
 
-    def _base_profile(self, K: int) -> np.ndarray:
-        """What a step's mean rows are blended into: the running mean at width K, else the starting profile."""
-        if self._mean is None:
-            return self.prior_row(K)
-        return self._mean if self._mean.size == K else _fit_width(self._mean[None, :], K)[0]
-
     def conditional_acceptance(self, K: int) -> list[float]:
         """``[0, S_2/S_1, ..., S_K/S_(K-1)]`` of the prior profile (prior_row), as a list: the chance that
         draft k+1 is accepted given draft k was. Cached until the profile moves."""
@@ -203,7 +197,7 @@ class AdaptiveController:
             R = rows.shape[0]
             mean = rows.sum(axis=0) / R
             self._seen += R
-            old = self._base_profile(mean.size)
+            old = self.prior_row(mean.size)  # what a step's mean rows are blended into
             w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
             self._mean = (1 - w) * old + w * mean
 
@@ -259,7 +253,7 @@ class AdaptiveController:
         self._seen += R
         w = max(R / self._seen, 1.0 - (1.0 - self.prior_decay) ** R)
         if w < 1.0:
-            mean = [(1 - w) * a + w * b for a, b in zip(self._base_profile(K).tolist(), mean)]
+            mean = [(1 - w) * a + w * b for a, b in zip(self.prior_row(K).tolist(), mean)]
         self._mean = np.array(mean)
         self._cond = [0.0] + [b / a if a > 0 else 0.0 for a, b in zip(mean, mean[1:])]
 

@@ -181,11 +181,14 @@ class DepthPlanner:
         # token deep, at 1 request with plain decoding on a graph of its own, an exploration never paid
         # (1.9 tokens for ~2x a plain step's time), so a profile cut down by a fresh start's first rows
         # (0.41 / 0.18 / 0.08, one-token prompts) stayed at `off`'s speed where fixed:4 ran 1.75x faster.
-        start_prof = self.controller.starting_row(self.max_draft)
-        base_spec = cost.overhead("spec") + (0.0 if self.sequential else explore_draft_ms)
-        # plain_ms infinite: the best depth of at least one, whether or not it beats plain decoding
-        explore_depth = max(1, best_draft_depth(start_prof, n_adaptive, verify, draft_ms, float("inf"), base_spec,
-                                                others=others)[0])
-        explore_ms = (base_spec + explore_depth * draft_ms + float(verify[min(explore_depth, len(verify) - 1)])
-                      - plain_ms + switch)
+        # Read only where the plan drafts nothing (start <= depth): not worked out on every plan that drafts.
+        explore_depth, explore_ms = 0, 0.0
+        if not start:
+            start_prof = self.controller.starting_row(self.max_draft)
+            base_spec = cost.overhead("spec") + (0.0 if self.sequential else explore_draft_ms)
+            # plain_ms infinite: the best depth of at least one, whether or not it beats plain decoding
+            explore_depth = max(1, best_draft_depth(start_prof, n_adaptive, verify, draft_ms, float("inf"),
+                                                    base_spec, others=others)[0])
+            explore_ms = (base_spec + explore_depth * draft_ms + float(verify[min(explore_depth, len(verify) - 1)])
+                          - plain_ms + switch)
         return _CachedPlan(depth, start, until, moves, plain_ms, explore_depth, explore_ms)
