@@ -251,7 +251,7 @@ class RuntimeTuning:
     prior_rows: int = 4
     """Rows the starting survival profile (prior_acceptance^k) counts as in the running one. 0: the first
     step's rows replace it, and a fresh runtime at 1 request whose first drafts the head scored low (all of
-    them accepted) planned little or no drafting: on the bench's prompts 6 of 16 starts drafted in most steps
+    them accepted) planned little or no drafting: on one-token prompts 6 of 16 starts drafted in most steps
     of their first 16 requests, one ran at `off`'s speed for 64 (4: 7 of 8; 16: 11 of 12, but 0.5x capacity's
     TPOT p50 1.044x fixed:3's on the simulated open loop, against 1.017 with 4; lab notes)."""
 
