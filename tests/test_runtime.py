@@ -237,13 +237,15 @@ def test_when_drafting_does_not_pay_exploration_drafts_now_and_then_within_its_b
 def test_an_exploring_step_drafts_its_whole_depth_and_verifies_all_of_it(tiny_artifact, temperature):
     """Whatever the draft's survivals say after each call (no early stop), and greedy output is the
     target's."""
+    from cost_sim import generate_all_at_once
     from dspark_trt.runtime.phases.depth_planner import DepthPlan
 
     rt = Runtime.load(tiny_artifact, profile="none")
     try:
         rt.depth_planner.plan = lambda batch, cost: DepthPlan(3, True, 0.0, 1.0, 0.0)
         cfg = GenerationConfig(max_new_tokens=40, spec="adaptive", temperature=temperature, seed=1)
-        outs = rt.generate(PROMPTS[:3], cfg)
+        # every request queued before the first step, so all three decode from the first step on
+        outs = generate_all_at_once(rt, PROMPTS[:3], cfg)
         steps = [s for s in rt.metrics.step_log if s["decode_requests"]]
         ref = [o.token_ids for o in rt.generate(PROMPTS[:3], replace(cfg, spec="off"))]
     finally:
