@@ -41,3 +41,23 @@ def test_one_token_queries_match_the_general_packing():
     assert fast["pack_index"].tolist() == general["pack_index"][:R, :1].tolist()
     # unpack_index indexes the padded [R, longest] layout: with one token a row, every row's first slot
     assert fast["unpack_index"].tolist() == (general["unpack_index"][:R] // 2).tolist()
+
+
+def test_few_rows_are_packed_in_plain_python_exactly_as_numpy_packs_them(monkeypatch):
+    import dspark_trt.runtime.batch as batch
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        R = int(rng.integers(1, batch.SMALL_ROWS + 1))
+        queries = [rng.integers(0, 500, int(rng.choice([0, 1, 2, 3, 5, 8]))).tolist() for _ in range(R)]
+        if all(len(q) == 1 for q in queries) or not any(queries):
+            continue
+        past, slots = rng.integers(0, 300, R).tolist(), rng.integers(0, 64, R).tolist()
+        small = pack_queries(queries, past, slots)
+        monkeypatch.setattr(batch, "SMALL_ROWS", 0)
+        general = pack_queries(queries, past, slots)
+        monkeypatch.undo()
+        assert small.keys() == general.keys()
+        for k in general:
+            assert small[k].dtype == general[k].dtype and small[k].shape == general[k].shape, k
+            assert (small[k] == general[k]).all(), k

@@ -323,3 +323,20 @@ def test_the_draft_past_term_survives_a_save_and_load(tmp_path):
     loaded = CostTable.load(table.save(tmp_path))
     assert loaded.draft_ms(16, past=1016) == pytest.approx(table.draft_ms(16, past=1016))
     assert loaded.draft_ms(16, past=1016) == pytest.approx(1.5 * linear_draft(16))
+
+
+def test_the_drift_residual_at_one_bucket_is_numpys_interpolation_to_the_last_bit():
+    # Asked for every observed call in plain Python; the whole-table path (log_factor) stays numpy's.
+    from dspark_trt.runtime.costs.table import _Drift
+
+    rng = np.random.default_rng(0)
+    d = _Drift(0.2, 0.5, (0.2, 5.0))
+    for t in range(5000):
+        if t % 400 == 0:
+            d.reset()
+        if rng.random() < 0.3:
+            b = int(rng.integers(0, d.NBUCKETS))
+            d.n[b] += 1
+            d.h[b] = rng.normal()
+        b = int(rng.integers(0, d.NBUCKETS))
+        assert d._residual_at(b) == float(d._residual(float(b)))
