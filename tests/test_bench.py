@@ -312,6 +312,59 @@ def test_prompt_files(tmp_path):
 
 # ------------------------------------------------------------------------------------- end to end
 
+def test_a_run_is_sliced_so_that_each_slice_keeps_three_waves_a_user_and_eight_requests():
+    from dspark_trt.bench.options import run_slices
+
+    assert run_slices(64, 1) == [(i, i + 8) for i in range(0, 64, 8)]
+    assert run_slices(64, 4) == [(0, 13), (13, 26), (26, 38), (38, 51), (51, 64)]  # 12 requests at least
+    assert run_slices(64, 16) == [(0, 64)] and run_slices(192, 64) == [(0, 192)]  # at load: one slice
+    assert run_slices(3, 1) == [(0, 3)]  # too few to cut
+
+
+def test_modes_take_turns_slice_by_slice_on_the_same_requests(tiny_artifact, tmp_path, monkeypatch):
+    import dspark_trt.bench.harness as harness
+
+    calls = []
+    measure = harness._measure
+
+    def recorded(rt, prompts, mode, c, n, *args):
+        calls.append((mode, args[-1], n))  # (mode, first request, requests)
+        return measure(rt, prompts, mode, c, n, *args)
+
+    monkeypatch.setattr(harness, "_measure", recorded)
+    out = harness.run_bench(tiny_artifact, concurrency="1", modes="off,adaptive", num_prompts=16, max_new_tokens=4,
+                            out_dir=tmp_path / "b", progress=False, rounds=2, echo=lambda s: None)
+    # Two slices of 8 requests a round; each slice runs every mode, the order rotated from slice to slice.
+    assert calls == [("off", 0, 8), ("adaptive", 0, 8), ("adaptive", 8, 8), ("off", 8, 8),
+                     ("off", 0, 8), ("adaptive", 0, 8), ("adaptive", 8, 8), ("off", 8, 8)]
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["slices_per_round"] == {"1": 2}
+    for r in res["runs"]:  # a round is its slices together: all 16 requests, in order, once a round
+        assert r["rounds"] == 2 and r["requests"] == 32 and r["generated_tokens"] == 32 * 4
+        assert r["steady_state"] and len(r["round_output_tok_s"]) == 2 and r["greedy_match_off"] == 1.0
+        assert r["output_tok_s_whole_run"] == pytest.approx(r["generated_tokens"] / r["wall_s"])
+
+
+def test_a_round_of_slices_sums_their_windows_and_lays_their_first_tokens_end_to_end():
+    from dspark_trt.bench.closed_loop import merge_slices
+
+    def part(t0, done, timeline, window):
+        return {"requests": [{"submitted_at": t0, "done_at": done}], "wall_s": done - t0, "snapshots": [{}],
+                "step_log": [{"s": t0}], "timeline": timeline, "window": window, "first_tokens": None,
+                "survival_correction": {"t": t0}}
+
+    # Two slices 100 s apart (other modes ran between): 300 tokens in 1 s, then 300 more in 2 s.
+    a = part(0.0, 1.0, [(0.5, 100), (1.0, 300)], (200, 0.5))
+    b = part(100.0, 102.0, [(101.0, 200), (102.0, 300)], (100, 1.0))
+    m = merge_slices([a, b])
+    assert m["window"] == (300, 1.5) and m["wall_s"] == 3.0 and m["slices"] == 2
+    assert m["timeline"] == [(0.5, 100), (1.0, 300), (2.0, 500), (3.0, 600)]
+    assert m["first_tokens"] == pytest.approx(600 / 3.0)  # FIRST_TOKENS = 512, reached at the second slice's end
+    assert len(m["step_log"]) == 2 and m["survival_correction"] == {"t": 100.0}
+    assert merge_slices([a, part(100.0, 102.0, [], None)])["window"] is None  # a slice without one: none
+    assert merge_slices([a]) is a
+
+
 RUN_KEYS = {"mode", "concurrency", "output_tok_s", "per_user_tok_s_p50", "per_user_tok_s_p90", "tpot_ms_p50", "tau",
             "acceptance_per_position", "verified_tokens_per_step", "solver_us_per_step", "overhead_frac",
             "oracle_goodput_frac", "greedy_match_off", "requests", "generated_tokens", "wall_s",

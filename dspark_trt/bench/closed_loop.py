@@ -70,13 +70,14 @@ def _wait_idle(rt, timeout: float = 30.0) -> None:
 
 
 def _closed_loop(rt, prompts, mode: str, concurrency: int, n_requests: int, max_new_tokens: int,
-                 temperature: float, seed: int, bar=None) -> tuple[list[dict], float]:
-    """``concurrency`` users, each submitting its next request as soon as its last one finished."""
+                 temperature: float, seed: int, bar=None, first: int = 0) -> tuple[list[dict], float]:
+    """``concurrency`` users, each submitting its next request as soon as its last one finished; the
+    requests are numbers first .. first + n_requests - 1 (request i: prompt i mod len(prompts), seed + i)."""
     from dspark_trt.runtime.config import GenerationConfig
 
     results: list[dict | None] = [None] * n_requests
     errors: list[str] = []
-    counter = iter(range(n_requests))
+    counter = iter(range(first, first + n_requests))
     lock = threading.Lock()
 
     def user():
@@ -99,7 +100,7 @@ def _closed_loop(rt, prompts, mode: str, concurrency: int, n_requests: int, max_
             if res.error:
                 errors.append(res.error)
                 return
-            results[i] = {"token_ids": res.token_ids, "submitted_at": submitted, "done_at": done, **{
+            results[i - first] = {"token_ids": res.token_ids, "submitted_at": submitted, "done_at": done, **{
                 k: res.stats.get(k) for k in ("generated_tokens", "latency_s", "time_to_first_token_s", "steps", "tau")}}
             if bar is not None:
                 bar.update(1)
@@ -116,15 +117,42 @@ def _closed_loop(rt, prompts, mode: str, concurrency: int, n_requests: int, max_
     return [r for r in results if r is not None], wall
 
 
-def _measure(rt, prompts, mode, concurrency, n_requests, max_new_tokens, temperature, seed, bar) -> dict:
+def _measure(rt, prompts, mode, concurrency, n_requests, max_new_tokens, temperature, seed, bar,
+             first: int = 0) -> dict:
     _wait_idle(rt)
     rt.metrics.reset()
-    reqs, wall = _closed_loop(rt, prompts, mode, concurrency, n_requests, max_new_tokens, temperature, seed, bar)
+    reqs, wall = _closed_loop(rt, prompts, mode, concurrency, n_requests, max_new_tokens, temperature, seed, bar,
+                              first)
     _wait_idle(rt)
     corr = getattr(rt, "survival_correction", None)
-    return {"requests": reqs, "wall_s": wall, "snapshot": rt.metrics.snapshot(),
-            "step_log": [dict(r) for r in rt.metrics.step_log], "timeline": list(rt.metrics.timeline),
+    timeline = list(rt.metrics.timeline)
+    return {"requests": reqs, "wall_s": wall, "snapshots": [rt.metrics.snapshot()],
+            "step_log": [dict(r) for r in rt.metrics.step_log], "timeline": timeline,
+            "window": steady_window(timeline, reqs), "first_tokens": first_tokens_rate(timeline, reqs, FIRST_TOKENS),
             "survival_correction": corr.report() if corr is not None else None}
+
+
+def merge_slices(parts: list[dict]) -> dict:
+    """One round of a mode from its slices (options.run_slices), the other modes' slices run in between:
+    requests, steps and counters together; the steady window the sum of the slices' windows, and the first
+    tokens' rate over the slices' own time, laid end to end."""
+    if len(parts) == 1:
+        return parts[0]
+    windows = [p["window"] for p in parts]
+    stitched, tokens, seconds = [], 0, 0.0
+    for p in parts:
+        starts = [r["submitted_at"] for r in p["requests"] if r.get("submitted_at") is not None]
+        if not starts or not p["timeline"]:
+            continue
+        t0 = min(starts)
+        stitched += [(seconds + t - t0, tokens + k) for t, k in p["timeline"]]
+        tokens, seconds = stitched[-1][1], stitched[-1][0]
+    return {"requests": [r for p in parts for r in p["requests"]], "wall_s": sum(p["wall_s"] for p in parts),
+            "snapshots": [s for p in parts for s in p["snapshots"]],
+            "step_log": [r for p in parts for r in p["step_log"]], "timeline": stitched,
+            "window": None if None in windows else (sum(w[0] for w in windows), sum(w[1] for w in windows)),
+            "first_tokens": first_tokens_rate(stitched, [{"submitted_at": 0.0}], FIRST_TOKENS),
+            "survival_correction": parts[-1]["survival_correction"], "slices": len(parts)}
 
 
 def _warmup(rt, prompts, modes, concurrency, temperature, seed) -> None:
@@ -224,10 +252,10 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
         reqs = [r for run in runs for r in run["requests"]]
         row = {"mode": mode, "concurrency": c, "rounds": len(runs)}
         row.update(summarize_requests(reqs, sum(run["wall_s"] for run in runs)))
-        row.update(run_metrics([s for run in runs for s in run["step_log"]], [run["snapshot"] for run in runs],
+        row.update(run_metrics([s for run in runs for s in run["step_log"]], [s for run in runs for s in run["snapshots"]],
                                max_draft, cost, speculative=mode != "off"))
         whole = [sum(r["generated_tokens"] for r in run["requests"]) / run["wall_s"] for run in runs]
-        windows = [steady_window(run.get("timeline", []), run["requests"]) for run in runs]
+        windows = [run["window"] for run in runs]
         row["output_tok_s_whole_run"] = row["output_tok_s"]
         row["steady_state"] = all(w is not None for w in windows)
         if row["steady_state"]:  # every round had a full-concurrency window: its rate is the round's figure
@@ -238,7 +266,7 @@ def _aggregate(raw: dict, c: int, max_draft: int, cost, temperature: float) -> l
         # one mode moves a sum of rounds by its whole size, the median little.
         row["output_tok_s"] = float(np.median(row["round_output_tok_s"]))
         row["round_output_tok_s_whole_run"] = whole
-        first = [first_tokens_rate(run.get("timeline", []), run["requests"], FIRST_TOKENS) for run in runs]
+        first = [run["first_tokens"] for run in runs]
         row["round_first_tokens_tok_s"] = first
         row["first_tokens_tok_s"] = float(np.median(first)) if all(x is not None for x in first) else None
         row["round_engine_speed"] = [_engine_speed(run["step_log"], cost) for run in runs] if cost is not None else []

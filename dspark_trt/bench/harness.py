@@ -9,7 +9,10 @@ Method
   of a single wave); request i uses prompt i mod num_prompts and sampling seed seed + i. Every request generates exactly
   max_new_tokens tokens (EOS does not stop it), so every mode emits the same tokens.
 - For each concurrency the modes run in turn (interleaved), ``rounds`` times with the mode order rotated
-  each round, so slow machine drift hits all modes alike; a (mode, c) row aggregates its rounds.
+  each round, so slow machine drift hits all modes alike; a (mode, c) row aggregates its rounds. Within a
+  round the modes take turns slice by slice (options.run_slices: 8 requests at a time at one request, one
+  slice from 16 requests on), every mode's slice the same requests, the order rotated each slice: the
+  machine's speed moves within seconds, and whole runs taken one after the other were far apart by luck.
 - Concurrency above the artifact's max batch is capped to it (said on the console and in results.json).
 
 Outputs (in ``out_dir``; when it already holds results, in a new ``out_dir/run-YYYYmmdd-HHMMSS``
@@ -27,11 +30,11 @@ from pathlib import Path
 import numpy as np
 
 from dspark_trt.bench.closed_loop import (_aggregate, _comparison, _measure, _run_peers, _summary,  # noqa: F401
-                                          _warmup, run_metrics)
+                                          _warmup, merge_slices, run_metrics)
 from dspark_trt.bench.latency import median_interval, steady_window, summarize_requests  # noqa: F401
 from dspark_trt.bench.options import (DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODES,  # noqa: F401
                                       DEFAULT_NUM_PROMPTS, QUICK, apply_quick, parse_concurrency, parse_modes,
-                                      requests_per_run, resolve_out_dir)
+                                      requests_per_run, resolve_out_dir, run_slices)
 from dspark_trt.bench.results import _command_line, _env, _write, render_markdown  # noqa: F401
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import fixed_k_limit
@@ -140,6 +143,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 "rounds": int(rounds), "concurrency": levels, "modes": mode_list,
                 "concurrency_requested": str(concurrency), "max_batch": max_batch, "max_draft": max_draft,
                 "requests_per_run": {c: requests_per_run(len(prompts), c) for c in levels},
+                "slices_per_round": {c: len(run_slices(requests_per_run(len(prompts), c), c))
+                                     if start_profile is None else 1 for c in levels},
                 "start_profile": str(start_profile) if start_profile is not None else None}
     peer_list = []
     if peers:
@@ -188,23 +193,30 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 peer_by_mode = {p.mode: p for p in peer_list}
                 names = mode_list + list(peer_by_mode)
                 n_req = requests_per_run(len(prompts), c)
+                # A cold start is one run from its start: never sliced.
+                cuts = run_slices(n_req, c) if start_profile is None else [(0, n_req)]
                 for rnd in range(int(rounds)):
-                    order = names[rnd % len(names):] + names[:rnd % len(names)]
-                    for m in order:
-                        bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}")
-                        if m in peer_by_mode:
-                            run = peer_runs.measure(peer_by_mode[m], c, n_req, int(max_new_tokens))
-                            if run is not None:
-                                peer_raw[m].append(run)
-                                bar.update(len(run["requests"]))
-                            continue
-                        if start_profile is None:
-                            raw[m].append(_measure(rt, prompts, m, c, n_req, int(max_new_tokens),
-                                                   float(temperature), int(seed), bar))
-                            continue
-                        with cold_run(rt, start_profile) as cold:
-                            raw[m].append(_measure(cold, prompts, m, c, n_req, int(max_new_tokens),
-                                                   float(temperature), int(seed), bar))
+                    parts = {m: [] for m in mode_list}
+                    for s, (first, end) in enumerate(cuts):
+                        turn = rnd * len(cuts) + s
+                        for m in names[turn % len(names):] + names[:turn % len(names)]:
+                            bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}"
+                                                + (f" slice {s + 1}/{len(cuts)}" if len(cuts) > 1 else ""))
+                            if m in peer_by_mode:  # other processes: a whole run, in the round's first slice
+                                run = peer_runs.measure(peer_by_mode[m], c, n_req, int(max_new_tokens)) if s == 0 else None
+                                if run is not None:
+                                    peer_raw[m].append(run)
+                                    bar.update(len(run["requests"]))
+                                continue
+                            if start_profile is None:
+                                parts[m].append(_measure(rt, prompts, m, c, end - first, int(max_new_tokens),
+                                                         float(temperature), int(seed), bar, first))
+                                continue
+                            with cold_run(rt, start_profile) as cold:
+                                parts[m].append(_measure(cold, prompts, m, c, n_req, int(max_new_tokens),
+                                                         float(temperature), int(seed), bar))
+                    for m in mode_list:
+                        raw[m].append(merge_slices(parts[m]))
                 rows = _aggregate(raw, c, max_draft, cost, float(temperature))
                 if c == 1 and "off" in raw:
                     off_c1 = raw["off"][0]["requests"]

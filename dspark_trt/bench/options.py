@@ -17,6 +17,7 @@ RESULT_FILES = ("results.json", "results.md", "throughput.png", "latency.png")
 WARMUP_TOKENS = 8
 WAVES = 3  # each run completes at least this many requests per user
 FIRST_TOKENS = 512  # the start-up window of every run (first_tokens_tok_s)
+SLICE_REQUESTS = 8  # the fewest requests in a slice of a run (run_slices)
 
 
 def apply_quick(concurrency, modes, num_prompts, max_new_tokens) -> tuple[str, str, int, int]:
@@ -30,6 +31,20 @@ def apply_quick(concurrency, modes, num_prompts, max_new_tokens) -> tuple[str, s
 def requests_per_run(num_prompts: int, concurrency: int) -> int:
     """Requests completed in one (mode, concurrency) run: every prompt once, and at least WAVES per user."""
     return max(int(num_prompts), WAVES * int(concurrency))
+
+
+def run_slices(n_requests: int, concurrency: int) -> list[tuple[int, int]]:
+    """A run's requests [first, end) cut into the slices the modes take turns at within a round: as many as
+    leave each slice WAVES requests per user and SLICE_REQUESTS in all (one slice at 16 requests and more).
+
+    Why: on a shared 2-core VM the same mode's speed moves 7% (rms) between blocks of 64 one-request runs
+    taken one after the other, but 1.9% between two halves interleaved 8 requests at a time (lab notes,
+    thirtieth session); against the best of eight baselines, whole blocks put an arm as fast as the best
+    ~8% below it by luck."""
+    size = max(SLICE_REQUESTS, WAVES * int(concurrency))
+    k = max(1, int(n_requests) // size)
+    cuts = [round(i * int(n_requests) / k) for i in range(k + 1)]
+    return list(zip(cuts, cuts[1:]))
 
 
 def parse_concurrency(value) -> list[int]:

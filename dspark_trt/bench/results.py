@@ -149,6 +149,15 @@ DEFINITIONS = """\
 """
 
 
+def _slices_note(slices: dict | None) -> str:
+    """Where the modes took turns within a round, and how finely (harness.py, options.run_slices)."""
+    cut = {c: n for c, n in (slices or {}).items() if n > 1}
+    if not cut:
+        return ""
+    return "; within a round the modes took turns in slices (" + ", ".join(
+        f"{n} at concurrency {c}" for c, n in cut.items()) + ")"
+
+
 def render_markdown(result: dict) -> str:
     env, runs, settings = result["env"], result["runs"], result["settings"]
     L = [f"# dspark-trt bench: {Path(env['artifact']['dir']).name} ({env['backend']})", ""]
@@ -161,7 +170,8 @@ def render_markdown(result: dict) -> str:
     L += [f"Prompts: {settings['prompts_source']} ({settings['num_prompts']} prompts, "
           f"{settings['prompt_tokens_min']}-{settings['prompt_tokens_max']} tokens); max new tokens "
           f"{settings['max_new_tokens']}; temperature {settings['temperature']:g}; seed {settings['seed']}; "
-          f"rounds {settings['rounds']}; requests per run max(num prompts, {WAVES} x concurrency).", ""]
+          f"rounds {settings['rounds']}; requests per run max(num prompts, {WAVES} x concurrency)"
+          + _slices_note(settings.get("slices_per_round")) + ".", ""]
     for note in result.get("notes", []):
         L.append(f"- {note}")
     if result.get("notes"):
