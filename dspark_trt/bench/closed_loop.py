@@ -128,7 +128,7 @@ def _measure(rt, prompts, mode, concurrency, n_requests, max_new_tokens, tempera
     timeline = list(rt.metrics.timeline)
     return {"requests": reqs, "wall_s": wall, "snapshots": [rt.metrics.snapshot()],
             "step_log": [dict(r) for r in rt.metrics.step_log], "timeline": timeline,
-            "window": steady_window(timeline, reqs), "first_tokens": first_tokens_rate(timeline, reqs, FIRST_TOKENS),
+            "window": steady_window(timeline, reqs, concurrency), "first_tokens": first_tokens_rate(timeline, reqs, FIRST_TOKENS),
             "survival_correction": corr.report() if corr is not None else None}
 
 
