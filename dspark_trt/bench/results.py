@@ -107,11 +107,12 @@ def _fmt(x, spec: str = ".1f", none: str = "-") -> str:
 DEFINITIONS = """\
 - **output tok/s**: steady-state throughput at the concurrency: tokens generated per second while
   `concurrency` requests are in flight (closed loop: a new request is submitted as one finishes; every
-  request generates exactly max-new-tokens tokens), i.e. from the first completion (before it all requests
-  started together in one prefill wave) to the last submission (after it the batch drains, and the run's
-  length turns on its slowest last requests: a mode whose request latencies vary more would lose
-  throughput it does not lose in steady state); the median over rounds (one round hit by a burst of
-  outside load moves it little). **whole run** is the older figure, all tokens / wall time from the
+  request generates exactly max-new-tokens tokens), i.e. from the `concurrency`-th completion (before it
+  all requests started together in one prefill wave) to the last submission (after it the batch drains, and
+  the run's length turns on its slowest last requests: a mode whose request latencies vary more would lose
+  throughput it does not lose in steady state), so whole waves; summed over a round's slices (at low
+  concurrency the modes take turns a few requests at a time); the median over rounds (one round hit by a
+  burst of outside load moves it little). **whole run** is the older figure, all tokens / wall time from the
   first submission to the last completion, summed over rounds.
 - **per-user tok/s**: per request, generated tokens / latency (submission to last token, prefill
   included). p50 is the median; **p90 is the tail**: 90% of requests were at least this fast (the 10th
