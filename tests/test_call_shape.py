@@ -270,3 +270,17 @@ def test_table_agrees_with_single_calls_at_every_past_and_after_the_model_moves(
     agrees()
     m.coef = MEASURED * np.array([1.0, 2.0, 1.0, 3.0])  # as a refit does: new coefficients
     agrees()
+
+
+def test_a_kinds_profile_offset_is_the_nearest_measured_widths_and_stays_so():
+    # Plain calls measured 0.65x the fit at every width, verify calls as fitted (ONNX Runtime's decode graph).
+    x = shapes()
+    ms = (features(*x.T) @ MEASURED) * np.where(x[:, 2] > 1, 1.0, 0.65)
+    model = CallShapeCost.from_points(np.column_stack([x, ms]))
+    for w in range(0, 9):  # widths 1..256 rows; measured: 1, 4, 16, 64 (buckets 0, 2, 4, 6)
+        for verifies in (False, True):
+            near = CallShapeCost._nearest(model.profile_offset, w, verifies)
+            assert model._offset(w, verifies) == model.profile_offset[near]  # asked again: the same
+            assert model._offset(w, verifies) == model.profile_offset[near]
+    # one fit over both kinds sits between them: the offsets carry the difference, beyond the widest width too
+    assert all(model._offset(w, True) - model._offset(w, False) > 0.25 for w in range(0, 9))

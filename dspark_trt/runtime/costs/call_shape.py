@@ -146,6 +146,7 @@ class CallShapeCost:
         # profile offset)
         self._calls: list = []
         self._table_parts: dict = {}  # table(): the past-free parts of a grid's table, per (rows, grid)
+        self._offsets: dict = {}  # _offset() by (width bucket, kind): profile_offset is fixed once fitted
 
     @classmethod
     def from_points(cls, points) -> "CallShapeCost":
@@ -162,6 +163,7 @@ class CallShapeCost:
         over both kinds cannot price ONNX Runtime's plain calls, which run a faster graph than verify calls
         (at 16 rows 0.65x the fit, verify calls 1.0-1.1x)."""
         base = features(*a[:, :4].T) @ self.coef
+        self._offsets.clear()
         keys = [(load_bucket(int(r)), bool(q > 1)) for r, q in a[:, 1:3]]
         for key in set(keys):
             at = [i for i, k in enumerate(keys) if k == key and base[i] > 0]
@@ -175,9 +177,13 @@ class CallShapeCost:
         return min(mine, key=lambda k: (abs(k[0] - w), k[0])) if mine else None
 
     def _offset(self, w: int, verifies: bool) -> float:
-        """The profile's offset of a kind at a width (or at the nearest width it measured)."""
-        near = self._nearest(self.profile_offset, w, verifies)
-        return self.profile_offset[near] if near is not None else 0.0
+        """The profile's offset of a kind at a width (or at the nearest width it measured); asked for every
+        observed call, so kept."""
+        x = self._offsets.get((w, verifies))
+        if x is None:
+            near = self._nearest(self.profile_offset, w, verifies)
+            x = self._offsets[(w, verifies)] = self.profile_offset[near] if near is not None else 0.0
+        return x
 
     def _prior(self, w: int, verifies: bool) -> float:
         """A kind's log factor at a width where it was not observed: its profile offset plus what the kind's
