@@ -137,14 +137,16 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                                  min_len=min(MIN_TOKENS, max_len))
         source = f"held-out stdlib split, seeded snippets (seed {seed})"
     lens = [len(p.ids) for p in prompts]
+    # Each level's run cut into the slices the modes take turns at; a cold start is one run from its start.
+    cuts = {c: run_slices(requests_per_run(len(prompts), c), c) if start_profile is None
+            else [(0, requests_per_run(len(prompts), c))] for c in levels}
     settings = {"prompts_source": source, "num_prompts": len(prompts), "prompt_tokens_min": min(lens),
                 "prompt_tokens_max": max(lens), "prompt_tokens_mean": float(np.mean(lens)),
                 "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": int(seed),
                 "rounds": int(rounds), "concurrency": levels, "modes": mode_list,
                 "concurrency_requested": str(concurrency), "max_batch": max_batch, "max_draft": max_draft,
                 "requests_per_run": {c: requests_per_run(len(prompts), c) for c in levels},
-                "slices_per_round": {c: len(run_slices(requests_per_run(len(prompts), c), c))
-                                     if start_profile is None else 1 for c in levels},
+                "slices_per_round": {c: len(cuts[c]) for c in levels},
                 "start_profile": str(start_profile) if start_profile is not None else None}
     peer_list = []
     if peers:
@@ -193,15 +195,13 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 peer_by_mode = {p.mode: p for p in peer_list}
                 names = mode_list + list(peer_by_mode)
                 n_req = requests_per_run(len(prompts), c)
-                # A cold start is one run from its start: never sliced.
-                cuts = run_slices(n_req, c) if start_profile is None else [(0, n_req)]
                 for rnd in range(int(rounds)):
                     parts = {m: [] for m in mode_list}
-                    for s, (first, end) in enumerate(cuts):
-                        turn = rnd * len(cuts) + s
+                    for s, (first, end) in enumerate(cuts[c]):
+                        turn = rnd * len(cuts[c]) + s
                         for m in names[turn % len(names):] + names[:turn % len(names)]:
                             bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}"
-                                                + (f" slice {s + 1}/{len(cuts)}" if len(cuts) > 1 else ""))
+                                                + (f" slice {s + 1}/{len(cuts[c])}" if len(cuts[c]) > 1 else ""))
                             if m in peer_by_mode:  # other processes: a whole run, in the round's first slice
                                 run = peer_runs.measure(peer_by_mode[m], c, n_req, int(max_new_tokens)) if s == 0 else None
                                 if run is not None:

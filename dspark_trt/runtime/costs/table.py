@@ -31,8 +31,8 @@ the factors are (and raises no entry by more than the largest factor).
 
 from __future__ import annotations
 
-import json
 import bisect
+import json
 import math
 import os
 from pathlib import Path
