@@ -178,21 +178,21 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_exploration
 
 def test_an_exploration_is_due_only_once_the_credit_covers_its_catch_up_too():
     """Exploring first feeds the draft what it has not seen (16 requests' prompts at the start of a burst
-    cost five plain steps once): the schedule waits until the credit covers that as well, and asks for the
-    catch-up estimate only once the rest is covered (it sums over the requests), then again only once the
-    credit covers what it said last (it only grows while nothing drafts)."""
+    cost five plain steps once): the schedule waits until the credit covers that as well, and asks what
+    exploring would cost only once the credit covers what it said last (the catch-up only grows while
+    nothing drafts; the estimate sums over the requests)."""
     from dspark_trt.runtime.phases.exploration import ExplorationSchedule
 
     asked = []
 
-    def catch_up():
+    def cost():
         asked.append(1)
-        return 20.0
+        return 5.0 + 20.0  # its draft calls and verifying them, and the catch-up
 
     s = ExplorationSchedule(0.1)  # 1 ms of credit a 10 ms plain step
-    due = [s.due(16, 10.0, 5.0, catch_up) for _ in range(25)]
+    due = [s.due(16, 10.0, cost) for _ in range(25)]
     assert due == [None] * 24 + [25.0]
-    assert len(asked) == 2  # when the credit covered the 5 ms, and when it covered the 25 ms
+    assert len(asked) == 2  # at the first step, and when the credit covered the 25 ms it said
 
 
 def test_an_exploration_that_cost_more_than_charged_is_paid_back_before_the_next():

@@ -82,7 +82,8 @@ def depth_planner(tuning=RuntimeTuning()):
 
 def test_without_a_cost_profile_adaptive_requests_may_draft_to_the_limit():
     costs = Costs(64, K)
-    batch = SimpleNamespace(n_adaptive=2, decode=[object(), object()], prefill=[], held=[])
+    row = SimpleNamespace(mode=SimpleNamespace(kind="adaptive"))
+    batch = SimpleNamespace(n_adaptive=2, decode=[row, row], prefill=[], held=[])
     assert depth_planner().plan(batch, costs.for_step(2, 0)).steps == K
 
 
@@ -138,6 +139,36 @@ def test_an_exploration_drafts_as_deep_as_the_starting_profile_pays_best_not_the
     plain_ms = cost.overhead("plain") + verify[0]
     assert explored[0].explore_ms == pytest.approx(cost.overhead("spec") + depth * 1.0 + verify[depth] - plain_ms
                                                    + costs.switch.calls * verify[0])
+
+
+def test_an_exploration_drafts_for_the_rows_the_draft_catches_up_within_a_plain_step():
+    """Catching every row up stalled the step (at ~40 rows in an open loop, 137-191 ms against a 6 ms plain
+    step, and every arriving request waited): an exploration drafts for the rows the draft has seen the
+    most of, as many as it catches up within a plain step's time, at least one, and is charged for those."""
+    from dspark_trt.runtime.phases.drafter import drafting_rows
+
+    costs = Costs(64, K)
+    costs.table = CostTable(np.full(64, 10.0) * (np.arange(64) > 0), np.full(K + 2, 20.0) * (np.arange(K + 2) > 0))
+    behind = {0: 6.0, 1: 2.0, 2: 50.0, 3: 1.0, 4: 3.0}  # ms of catch-up a row
+
+    def explored(rows):
+        planner = DepthPlanner(K, replace(RuntimeTuning(), explore_budget=1.0), AdaptiveController(),
+                               catch_up_ms=lambda reqs: sum(behind[r.id] for r in reqs))
+        batch = SimpleNamespace(n_adaptive=len(rows), decode=rows, prefill=[], held=[])
+        plans = [planner.plan(batch, costs.for_step(len(rows), 0)) for _ in range(200)]
+        return [p for p in plans if p.exploring]
+
+    rows = [request(i) for i in behind]
+    plans = explored(rows)
+    assert plans and all(p.rows == {3, 1, 4} for p in plans)  # 1 + 2 + 3 ms; with row 0's 6 ms, over
+    cost = costs.for_step(5, 0)
+    plain_ms = cost.overhead("plain") + cost.depth_verify_ms(5, 0)[0]
+    assert plain_ms < 12.0
+    three = DepthPlanner(K, RuntimeTuning(), AdaptiveController())._exploration(3, 5, cost, plain_ms)
+    assert plans[0].steps == three.depth and plans[0].charged_ms == pytest.approx(three.extra_ms + 6.0)
+    assert [r.id for r in drafting_rows(rows, plans[0].steps, lambda r, d: d, plans[0].rows)] == [1, 3, 4]
+    # however far behind, one row explores
+    assert all(p.rows == {2} for p in explored([request(2)]))
 
 
 def test_an_exploration_confirms_the_plan_only_if_neither_its_survivals_nor_its_acceptances_say_drafting_paid():

@@ -34,6 +34,7 @@ class DepthPlan(NamedTuple):
     plain_ms: float = 0.0  # an exploring step's modelled ms without drafting
     charged_ms: float = 0.0  # what the exploration schedule charged for it (its catch-up included)
     checking: bool = False  # a plain check: no drafting although the model plans some (plain_check.py)
+    rows: frozenset | None = None  # the ids of the adaptive requests an exploration drafts for (None: all)
 
 
 class _CachedPlan(NamedTuple):
@@ -44,8 +45,15 @@ class _CachedPlan(NamedTuple):
     until: int  # the planner's step count at which it is made again
     moves: int  # the cost model's moves when it was made (CostTable.moves): made again once they change
     plain_ms: float  # modelled ms of a step without drafting
-    explore_depth: int  # draft depth of an exploration
-    explore_ms: float  # modelled extra ms of exploring (its draft calls, verifying them, a switch)
+
+
+class _Exploration(NamedTuple):
+    """What an exploration would do and cost now."""
+
+    depth: int  # its draft depth
+    extra_ms: float  # modelled extra ms over a plain step (its draft calls, verifying them, a switch)
+    charge_ms: float  # that and the draft catching its rows up
+    rows: frozenset | None  # the ids of the requests it drafts for (None: all adaptive ones)
 
 
 class DepthPlanner:
@@ -72,17 +80,21 @@ class DepthPlanner:
     def plan(self, batch, cost) -> DepthPlan:
         if not batch.n_adaptive:
             return DepthPlan(self.max_draft)
+        adaptive = [r for r in batch.decode if r.mode.kind == "adaptive"]
         def catch_up() -> float:
-            return self.catch_up_ms([r for r in batch.decode if r.mode.kind == "adaptive"])
+            return self.catch_up_ms(adaptive)
         return self.plan_for(batch.n_adaptive, len(batch.decode), cost,
                              catch_up if self.catch_up_ms is not None else None,
-                             joining=bool(batch.prefill or batch.held))
+                             joining=bool(batch.prefill or batch.held), explorers=adaptive)
 
-    def plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up=None, joining: bool = False) -> DepthPlan:
+    def plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up=None, joining: bool = False,
+                 explorers=None) -> DepthPlan:
         """The plan for n_adaptive adaptive requests among n_decode decoding ones; catch_up: a function
-        giving the modelled ms of the draft catching them up, asked only when an exploration is near;
-        joining: prompts are being fed or held, so more rows decode within a step or two."""
-        plan = self._plan_for(n_adaptive, n_decode, cost, catch_up, joining)
+        giving the modelled ms of the draft catching them up, asked only when a plan is made or an
+        exploration is near; joining: prompts are being fed or held, so more rows decode within a step or
+        two; explorers: the adaptive requests, of which an exploration picks its rows (None: it drafts for
+        all of them)."""
+        plan = self._plan_for(n_adaptive, n_decode, cost, catch_up, joining, explorers)
         self._drafting = plan.steps > 0
         if not (plan.exploring or plan.checking):
             if plan.steps:
@@ -95,7 +107,7 @@ class DepthPlanner:
                 self._stretch = 0
         return plan
 
-    def _plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up, joining: bool) -> DepthPlan:
+    def _plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up, joining: bool, explorers) -> DepthPlan:
         if cost.table is None:
             return DepthPlan(self.max_draft)
         self._steps += 1
@@ -124,10 +136,17 @@ class DepthPlanner:
             self.plain_checks.idle(n_decode)
             # An exploration is one step, not a plan: the plan stays "no drafting" around it, and the next
             # plan (at most plan_every steps on) reads what it observed.
-            charged = self.exploration.due(n_decode, cached.plain_ms, cached.explore_ms, catch_up or 0.0)
+            looked: list[_Exploration] = []
+
+            def charge() -> float:
+                looked.append(self._exploration(n_adaptive, n_decode, cost, cached.plain_ms, explorers, catch_up))
+                return looked[-1].charge_ms
+
+            charged = self.exploration.due(n_decode, cached.plain_ms, charge)
             if charged is not None:
                 self._cache.pop(key)
-                return DepthPlan(cached.explore_depth, True, cached.explore_ms, cached.plain_ms, charged)
+                e = looked[-1]
+                return DepthPlan(e.depth, True, e.extra_ms, cached.plain_ms, charged, rows=e.rows)
             return DepthPlan(0)
         shape = cost.costs.shape
         if learning and self.plain_checks.due(n_decode, shape is None or shape.observed(n_decode, plain=True)):
@@ -141,7 +160,7 @@ class DepthPlanner:
 
     def _best(self, n_adaptive: int, n_decode: int, cost, behind_ms: float = 0.0, horizon: int = 1,
               until: int = 0, moves: int = 0, switch_horizon: float = 1.0) -> _CachedPlan:
-        """The model's plan: best draft depth, and what a plain and an exploring step cost. behind_ms: the
+        """The model's plan: best draft depth, and what a plain step costs. behind_ms: the
         modelled ms of the draft catching up on what it has not seen, which drafting pays before its first
         call: spread over `horizon` steps, the price of starting to draft. Unpriced, a model that put
         plain decoding and drafting close (64 requests) switched between them every few plans and paid a
@@ -164,7 +183,6 @@ class DepthPlanner:
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
         verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
         draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive, past=cost.past)), cost.overhead("plain"), cost.overhead("spec")
-        explore_draft_ms = draft_ms
         switch = cost.costs.switch.calls * float(verify[0])  # costs/switch.py
         spec += behind_ms / horizon
         if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
@@ -175,20 +193,43 @@ class DepthPlanner:
         if switch > 0 and depth > 0:
             start, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec + switch / switch_horizon,
                                         others=others)
-        plain_ms = plain + float(verify[0])
-        # An exploration drafts as deep as pays best with the starting survival profile, not the running one:
-        # what it tests is whether that profile is too pessimistic, and its own best depth is then none. One
-        # token deep, at 1 request with plain decoding on a graph of its own, an exploration never paid
-        # (1.9 tokens for ~2x a plain step's time), so a profile cut down by a fresh start's first rows
-        # (0.41 / 0.18 / 0.08, one-token prompts) stayed at `off`'s speed where fixed:4 ran 1.75x faster.
-        # Read only where the plan drafts nothing (start <= depth): not worked out on every plan that drafts.
-        explore_depth, explore_ms = 0, 0.0
-        if not start:
-            start_prof = self.controller.starting_row(self.max_draft)
-            base_spec = cost.overhead("spec") + (0.0 if self.sequential else explore_draft_ms)
-            # plain_ms infinite: the best depth of at least one, whether or not it beats plain decoding
-            explore_depth = max(1, best_draft_depth(start_prof, n_adaptive, verify, draft_ms, float("inf"),
-                                                    base_spec, others=others)[0])
-            explore_ms = (base_spec + explore_depth * draft_ms + float(verify[min(explore_depth, len(verify) - 1)])
-                          - plain_ms + switch)
-        return _CachedPlan(depth, start, until, moves, plain_ms, explore_depth, explore_ms)
+        return _CachedPlan(depth, start, until, moves, plain + float(verify[0]))
+
+    def _exploration(self, n_adaptive: int, n_decode: int, cost, plain_ms: float, explorers=None,
+                     catch_up=None) -> _Exploration:
+        """The exploration that would run now: its rows, depth and modelled cost.
+
+        Its rows: those the draft has seen the most of (the least to catch up) first, as many as it catches
+        up within a plain step's time, and at least one. Catching every row up stalled the step: in an open
+        loop at the capacity, explorations at ~40 rows took 137 and 191 ms against a 6 ms plain step, and
+        every request arriving meanwhile waited (TTFT p99 242 ms against `off`'s 118).
+
+        It drafts as deep as pays best with the starting survival profile, not the running one: what it
+        tests is whether that profile is too pessimistic, and its own best depth is then none. One token
+        deep, at 1 request with plain decoding on a graph of its own, an exploration never paid (1.9 tokens
+        for ~2x a plain step's time), so a profile cut down by a fresh start's first rows (0.41 / 0.18 /
+        0.08, one-token prompts) stayed at `off`'s speed where fixed:4 ran 1.75x faster.
+
+        explorers: as plan_for; without them it drafts for all n_adaptive, and catch_up() prices their catch-up."""
+        rows, behind_ms = None, 0.0
+        if not (explorers and self.catch_up_ms is not None):
+            behind_ms = catch_up() if catch_up is not None else 0.0
+        else:
+            picked = []
+            for ms, i in sorted((self.catch_up_ms([r]), i) for i, r in enumerate(explorers)):
+                if picked and behind_ms + ms > plain_ms:
+                    break
+                picked.append(explorers[i].id)
+                behind_ms += ms
+            rows, n_adaptive = frozenset(picked), len(picked)
+        verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
+        draft_ms = float(cost.table.draft_ms(n_adaptive, past=cost.past))
+        switch = cost.costs.switch.calls * float(verify[0])  # costs/switch.py
+        spec = cost.overhead("spec") + (0.0 if self.sequential else draft_ms)
+        if not self.sequential:
+            draft_ms = 0.0
+        # plain_ms infinite: the best depth of at least one, whether or not it beats plain decoding
+        depth = max(1, best_draft_depth(self.controller.starting_row(self.max_draft), n_adaptive, verify, draft_ms,
+                                        float("inf"), spec, others=n_decode - n_adaptive)[0])
+        extra = spec + depth * draft_ms + float(verify[min(depth, len(verify) - 1)]) - plain_ms + switch
+        return _Exploration(depth, extra, extra + behind_ms, rows)

@@ -26,11 +26,13 @@ def draft_room(r: Request, max_context: int) -> int:
     return min(r.remaining() - 1, max_context - len(r.tokens) - 1)
 
 
-def drafting_rows(decode: list[Request], steps: int, cap) -> list[Request]:
+def drafting_rows(decode: list[Request], steps: int, cap, only=None) -> list[Request]:
     """The rows that draft this step: fixed-K ones, and adaptive ones when the plan drafts (most steps at
-    high load plan none: no per-row test then), each while cap(r, steps) leaves it room."""
+    high load plan none: no per-row test then), each while cap(r, steps) leaves it room. only: the ids of
+    the adaptive rows that draft (an exploration's, DepthPlan.rows); None: all of them."""
     return [r for r in decode
-            if (r.mode.kind == "fixed" or (steps and r.mode.kind == "adaptive")) and cap(r, steps) > 0]
+            if (r.mode.kind == "fixed" or (steps and r.mode.kind == "adaptive" and (only is None or r.id in only)))
+            and cap(r, steps) > 0]
 
 
 class Draft(NamedTuple):
@@ -85,7 +87,7 @@ class Drafter:
         return max(0, min(k, draft_room(r, self.max_context)))
 
     def draft(self, batch, depth, cost) -> DraftRound:
-        spec = drafting_rows(batch.decode, depth.steps, self.cap)
+        spec = drafting_rows(batch.decode, depth.steps, self.cap, depth.rows)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
         return self.run(spec, depth.steps, stop_early=not depth.exploring)

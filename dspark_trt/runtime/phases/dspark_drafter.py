@@ -67,7 +67,7 @@ class DsparkDrafter:
         return max(0, min(k, draft_room(r, self.max_context)))
 
     def draft(self, batch, depth, cost) -> DraftRound:
-        spec = drafting_rows(batch.decode, depth.steps, self.cap)
+        spec = drafting_rows(batch.decode, depth.steps, self.cap, depth.rows)
         if not spec:
             return DraftRound({}, 0.0, 0.0, 0.0)
         t0 = time.perf_counter()

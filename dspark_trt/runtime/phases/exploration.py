@@ -2,11 +2,13 @@
 
 A cost model that is too pessimistic about drafting (a profile measured on a busy machine, draft calls
 3x too dear) stops drafting, and then no draft call is ever observed to show it wrong. So while the
-model plans no drafting, a step now and then drafts for every adaptive request (as deep as drafting
-pays best with the starting survival profile: the running one is what is being tested) and verifies it
-all: its draft call, its wider verify call and its acceptances are fed to the cost tables and the
-survival correction (the runtime observes every call of an exploring step), and the next plan reads
-what they learned.
+model plans no drafting, a step now and then drafts (as deep as drafting pays best with the starting
+survival profile: the running one is what is being tested) and verifies it all: its draft call, its
+wider verify call and its acceptances are fed to the cost tables and the survival correction (the
+runtime observes every call of an exploring step), and the next plan reads what they learned. It drafts
+for the adaptive requests the draft has seen the most of, as many as it catches up within a plain
+step's time and at least one (depth_planner.py): caught up on every request, an exploration stalled
+every other request for 20-60 plain steps' time at high load.
 
 The schedule is a budget, not a period: every step the model plans no drafting earns a share of its
 modelled step time as credit (per load bucket), and an exploration runs once the credit covers what it
@@ -51,7 +53,7 @@ class _Load:
 
 
 class ExplorationSchedule:
-    """Call order: ``due(n_decode, plain_ms, explore_ms, catch_up_ms)`` on each step the model plans no
+    """Call order: ``due(n_decode, plain_ms, cost_ms)`` on each step the model plans no
     drafting; ``settle(n_decode, charged_ms, measured_extra_ms, confirmed)`` after a step that explored."""
 
     FLOOR = 0.1  # the share never falls below this fraction of explore_budget
@@ -72,19 +74,18 @@ class ExplorationSchedule:
         n = self._load(n_decode).confirmed
         return self.budget * max(self.FLOOR, 1.0 / (1.0 + n) ** 2)
 
-    def due(self, n_decode: int, plain_ms: float, explore_ms: float, catch_up_ms=0.0) -> float | None:
-        """Whether this step explores: plain_ms, the modelled ms of this step without drafting; explore_ms,
-        the modelled extra ms of exploring; catch_up_ms, the modelled ms of the draft catching up first
-        (a number, or a function giving it: asked only once the credit covers explore_ms). Returns the ms
-        charged for it (None: not now)."""
+    def due(self, n_decode: int, plain_ms: float, cost_ms) -> float | None:
+        """Whether this step explores: plain_ms, the modelled ms of this step without drafting; cost_ms, the
+        modelled ms exploring now costs beyond it, the draft's catch-up included (a number, or a function
+        giving it: asked only once the credit covers what it gave last). Returns the ms charged for it
+        (None: not now)."""
         if self.budget <= 0:
             return None
         load = self._load(n_decode)
         load.credit += self.share(n_decode) * max(plain_ms, 0.0)
-        cost = max(explore_ms, 0.0)
-        if load.credit < max(cost, load.need):
+        if load.credit < load.need:
             return None
-        cost += max(0.0, catch_up_ms() if callable(catch_up_ms) else catch_up_ms)
+        cost = max(0.0, cost_ms() if callable(cost_ms) else cost_ms)
         if load.credit < cost:
             load.need = cost
             return None
