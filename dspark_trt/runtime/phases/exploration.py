@@ -8,7 +8,7 @@ wider verify call and its acceptances are fed to the cost tables and the surviva
 runtime observes every call of an exploring step), and the next plan reads what they learned. It drafts
 for the adaptive requests the draft has seen the most of, as many as it catches up within a plain
 step's time and at least one (depth_planner.py): caught up on every request, an exploration stalled
-every other request for 20-60 plain steps' time at high load.
+every other request for 15-30 plain steps' time at high load.
 
 The schedule is a budget, not a period: every step the model plans no drafting earns a share of its
 modelled step time as credit (per load bucket), and an exploration runs once the credit covers what it
