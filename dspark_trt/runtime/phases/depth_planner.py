@@ -80,21 +80,20 @@ class DepthPlanner:
     def plan(self, batch, cost) -> DepthPlan:
         if not batch.n_adaptive:
             return DepthPlan(self.max_draft)
-        adaptive = [r for r in batch.decode if r.mode.kind == "adaptive"]
         def catch_up() -> float:
-            return self.catch_up_ms(adaptive)
+            return self.catch_up_ms([r for r in batch.decode if r.mode.kind == "adaptive"])
         return self.plan_for(batch.n_adaptive, len(batch.decode), cost,
                              catch_up if self.catch_up_ms is not None else None,
-                             joining=bool(batch.prefill or batch.held), explorers=adaptive)
+                             joining=bool(batch.prefill or batch.held), decode=batch.decode)
 
     def plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up=None, joining: bool = False,
-                 explorers=None) -> DepthPlan:
+                 decode=None) -> DepthPlan:
         """The plan for n_adaptive adaptive requests among n_decode decoding ones; catch_up: a function
         giving the modelled ms of the draft catching them up, asked only when a plan is made or an
         exploration is near; joining: prompts are being fed or held, so more rows decode within a step or
-        two; explorers: the adaptive requests, of which an exploration picks its rows (None: it drafts for
-        all of them)."""
-        plan = self._plan_for(n_adaptive, n_decode, cost, catch_up, joining, explorers)
+        two; decode: the decoding requests, among whose adaptive ones an exploration picks its rows (None: it
+        drafts for all of them)."""
+        plan = self._plan_for(n_adaptive, n_decode, cost, catch_up, joining, decode)
         self._drafting = plan.steps > 0
         if not (plan.exploring or plan.checking):
             if plan.steps:
@@ -107,7 +106,7 @@ class DepthPlanner:
                 self._stretch = 0
         return plan
 
-    def _plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up, joining: bool, explorers) -> DepthPlan:
+    def _plan_for(self, n_adaptive: int, n_decode: int, cost, catch_up, joining: bool, decode) -> DepthPlan:
         if cost.table is None:
             return DepthPlan(self.max_draft)
         self._steps += 1
@@ -139,7 +138,7 @@ class DepthPlanner:
             looked: list[_Exploration] = []
 
             def charge() -> float:
-                looked.append(self._exploration(n_adaptive, n_decode, cost, cached.plain_ms, explorers, catch_up))
+                looked.append(self._exploration(n_adaptive, n_decode, cost, cached.plain_ms, decode, catch_up))
                 return looked[-1].charge_ms
 
             charged = self.exploration.due(n_decode, cached.plain_ms, charge)
@@ -195,7 +194,7 @@ class DepthPlanner:
                                         others=others)
         return _CachedPlan(depth, start, until, moves, plain + float(verify[0]))
 
-    def _exploration(self, n_adaptive: int, n_decode: int, cost, plain_ms: float, explorers=None,
+    def _exploration(self, n_adaptive: int, n_decode: int, cost, plain_ms: float, decode=None,
                      catch_up=None) -> _Exploration:
         """The exploration that would run now: its rows, depth and modelled cost.
 
@@ -210,11 +209,12 @@ class DepthPlanner:
         for ~2x a plain step's time), so a profile cut down by a fresh start's first rows (0.41 / 0.18 /
         0.08, one-token prompts) stayed at `off`'s speed where fixed:4 ran 1.75x faster.
 
-        explorers: as plan_for; without them it drafts for all n_adaptive, and catch_up() prices their catch-up."""
+        decode: as plan_for; without it, it drafts for all n_adaptive, and catch_up() prices their catch-up."""
         rows, behind_ms = None, 0.0
-        if not (explorers and self.catch_up_ms is not None):
+        if decode is None or self.catch_up_ms is None:
             behind_ms = catch_up() if catch_up is not None else 0.0
         else:
+            explorers = [r for r in decode if r.mode.kind == "adaptive"]
             picked = []
             for ms, i in sorted((self.catch_up_ms([r]), i) for i, r in enumerate(explorers)):
                 if picked and behind_ms + ms > plain_ms:
