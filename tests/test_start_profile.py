@@ -118,6 +118,39 @@ def test_every_run_starts_cold_from_the_start_profile_and_the_artifact_keeps_its
     assert "first tokens" in (out / "results.md").read_text()
 
 
+def test_a_cold_start_keeps_its_runtime_across_its_slices_while_the_other_modes_take_turns(
+        tiny_artifact, good_profile, tmp_path, monkeypatch):
+    """A cold start is one run from its start, and the modes still take turns slice by slice (a whole run a
+    mode, one after the other, put equal modes ~8% apart by luck): each (mode, round) gets one cold runtime,
+    which serves every slice of its run, the other modes' slices in between."""
+    from dspark_trt.bench import start_profile
+    from dspark_trt.bench.harness import run_bench
+
+    dear, started = _cold_starts(good_profile, tmp_path, monkeypatch)
+    served = []
+    spy = start_profile.cold_runtime
+
+    def counting(warm, path):
+        rt = spy(warm, path)
+        submit, mine = rt.submit, []
+        served.append(mine)
+
+        def count(ids, cfg, **kw):
+            mine.append(cfg.spec)
+            return submit(ids, cfg, **kw)
+        rt.submit = count
+        return rt
+
+    monkeypatch.setattr(start_profile, "cold_runtime", counting)
+    out = run_bench(tiny_artifact, concurrency="1", modes="adaptive,off", num_prompts=16, max_new_tokens=8,
+                    out_dir=tmp_path / "b", progress=False, rounds=2, start_profile=dear, warmup=False)
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["slices_per_round"] == {"1": 2}
+    _all_cold(started, dear, 2 * 2)  # modes x rounds, not slices
+    assert sorted(len(s) for s in served) == [16] * 4  # each served its whole run: both slices
+    assert all(len(set(s)) == 1 for s in served)  # of one mode
+
+
 def test_the_open_loop_starts_every_run_cold_from_the_start_profile_too(
         tiny_artifact, good_profile, tmp_path, monkeypatch):
     """Each open loop used to start from the profile the previous one saved, so consecutive runs differed."""

@@ -60,7 +60,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
     interleaved pass over the modes. ``force`` overwrites results already in ``out_dir`` (default: write
     into a new timestamped subdirectory). ``command`` overrides the recorded command line.
     ``start_profile``: a cost profile file every run starts cold from, each (mode, round) on a runtime of its
-    own on the warmed-up engines (:mod:`dspark_trt.bench.start_profile`); no oracle.
+    own on the warmed-up engines (:mod:`dspark_trt.bench.start_profile`), which serves all its slices of the
+    round; no oracle.
     """
     from dspark_trt.runtime.runtime import load_manifest
 
@@ -86,7 +87,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
         parse_modes(modes)
     manifest = load_manifest(artifact_dir)
     if start_profile is not None:
-        from dspark_trt.bench.start_profile import check_start_profile, cold_run, runtime_from
+        from dspark_trt.bench.start_profile import check_start_profile, cold_runtime, runtime_from
 
         if peers:
             raise DsparkError("--start-profile measures our modes from a cold start; run --peers separately")
@@ -137,9 +138,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                                  min_len=min(MIN_TOKENS, max_len))
         source = f"held-out stdlib split, seeded snippets (seed {seed})"
     lens = [len(p.ids) for p in prompts]
-    # Each level's run cut into the slices the modes take turns at; a cold start is one run from its start.
-    cuts = {c: run_slices(requests_per_run(len(prompts), c), c) if start_profile is None
-            else [(0, requests_per_run(len(prompts), c))] for c in levels}
+    # Each level's run cut into the slices the modes take turns at.
+    cuts = {c: run_slices(requests_per_run(len(prompts), c), c) for c in levels}
     settings = {"prompts_source": source, "num_prompts": len(prompts), "prompt_tokens_min": min(lens),
                 "prompt_tokens_max": max(lens), "prompt_tokens_mean": float(np.mean(lens)),
                 "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": int(seed),
@@ -164,7 +164,8 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
     if start_profile is not None:
         rt = runtime_from(artifact_dir, backend, start_profile)
         notes.append(f"every run started cold from {start_profile} on a runtime of its own (engines warmed "
-                     "up, nothing learned; no oracle or engine speed: the profile is the thing under test)")
+                     "up, nothing learned; kept across the run's slices; no oracle or engine speed: the profile "
+                     "is the thing under test)")
     else:
         rt = Runtime.load(artifact_dir, backend=backend, profile="auto")
     rt.wait_prefaulted()  # measure a runtime whose caches are mapped, as a server's are after its first minutes
@@ -197,24 +198,31 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 n_req = requests_per_run(len(prompts), c)
                 for rnd in range(int(rounds)):
                     parts = {m: [] for m in mode_list}
-                    for s, (first, end) in enumerate(cuts[c]):
-                        turn = rnd * len(cuts[c]) + s
-                        for m in names[turn % len(names):] + names[:turn % len(names)]:
-                            bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}"
-                                                + (f" slice {s + 1}/{len(cuts[c])}" if len(cuts[c]) > 1 else ""))
-                            if m in peer_by_mode:  # other processes: a whole run, in the round's first slice
-                                run = peer_runs.measure(peer_by_mode[m], c, n_req, int(max_new_tokens)) if s == 0 else None
-                                if run is not None:
-                                    peer_raw[m].append(run)
-                                    bar.update(len(run["requests"]))
-                                continue
-                            if start_profile is None:
-                                parts[m].append(_measure(rt, prompts, m, c, end - first, int(max_new_tokens),
+                    # A cold start is one run from its start: each mode's cold runtime serves all its slices
+                    # of the round (the other modes' slices run in between), then is closed.
+                    colds: dict = {}
+                    try:
+                        for s, (first, end) in enumerate(cuts[c]):
+                            turn = rnd * len(cuts[c]) + s
+                            for m in names[turn % len(names):] + names[:turn % len(names)]:
+                                bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}"
+                                                    + (f" slice {s + 1}/{len(cuts[c])}" if len(cuts[c]) > 1 else ""))
+                                if m in peer_by_mode:  # other processes: a whole run, in the round's first slice
+                                    run = peer_runs.measure(peer_by_mode[m], c, n_req, int(max_new_tokens)) if s == 0 else None
+                                    if run is not None:
+                                        peer_raw[m].append(run)
+                                        bar.update(len(run["requests"]))
+                                    continue
+                                run_on = rt
+                                if start_profile is not None:
+                                    if m not in colds:
+                                        colds[m] = cold_runtime(rt, start_profile)
+                                    run_on = colds[m]
+                                parts[m].append(_measure(run_on, prompts, m, c, end - first, int(max_new_tokens),
                                                          float(temperature), int(seed), bar, first))
-                                continue
-                            with cold_run(rt, start_profile) as cold:
-                                parts[m].append(_measure(cold, prompts, m, c, n_req, int(max_new_tokens),
-                                                         float(temperature), int(seed), bar))
+                    finally:
+                        for cold in colds.values():
+                            cold.close()
                     for m in mode_list:
                         raw[m].append(merge_slices(parts[m]))
                 rows = _aggregate(raw, c, max_draft, cost, float(temperature))
