@@ -319,7 +319,8 @@ def test_quick_via_http_smoke_run_under_a_minute(tiny_artifact, tmp_path):
         # the key reached the server; (the arrival-window rate may be 0 at the overloading rate of so short a
         # run: every first token can come after the last of its ~1 s of arrivals)
         assert e["failed"] == 0 and e["completed"] >= 1 and e["output_tok_s_whole_run"] > 0 <= e["output_tok_s"]
-        assert 0 < e["goodput"] <= e["req_s"] + 1e-9
+        # below the capacity some request meets the SLOs; overloaded, none may (CI ran one at goodput 0)
+        assert (0 <= e["goodput"] if e["overloaded"] else 0 < e["goodput"]) and e["goodput"] <= e["req_s"] + 1e-9
         q = e["queue_wait_ms"]  # the server's own figure, sent beside usage
         assert q["p50"] is not None and 0 <= q["p50"] <= q["p99"]
         assert set(e["by_temperature"]) <= {"0.0", "1.0"}
