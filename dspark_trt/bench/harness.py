@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +88,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
         parse_modes(modes)
     manifest = load_manifest(artifact_dir)
     if start_profile is not None:
-        from dspark_trt.bench.start_profile import check_start_profile, cold_runtime, runtime_from
+        from dspark_trt.bench.start_profile import check_start_profile, cold_run, runtime_from
 
         if peers:
             raise DsparkError("--start-profile measures our modes from a cold start; run --peers separately")
@@ -201,7 +202,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                     # A cold start is one run from its start: each mode's cold runtime serves all its slices
                     # of the round (the other modes' slices run in between), then is closed.
                     colds: dict = {}
-                    try:
+                    with ExitStack() as round_runtimes:
                         for s, (first, end) in enumerate(cuts[c]):
                             turn = rnd * len(cuts[c]) + s
                             for m in names[turn % len(names):] + names[:turn % len(names)]:
@@ -216,13 +217,10 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                                 run_on = rt
                                 if start_profile is not None:
                                     if m not in colds:
-                                        colds[m] = cold_runtime(rt, start_profile)
+                                        colds[m] = round_runtimes.enter_context(cold_run(rt, start_profile))
                                     run_on = colds[m]
                                 parts[m].append(_measure(run_on, prompts, m, c, end - first, int(max_new_tokens),
                                                          float(temperature), int(seed), bar, first))
-                    finally:
-                        for cold in colds.values():
-                            cold.close()
                     for m in mode_list:
                         raw[m].append(merge_slices(parts[m]))
                 rows = _aggregate(raw, c, max_draft, cost, float(temperature))

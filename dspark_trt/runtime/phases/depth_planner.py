@@ -180,12 +180,8 @@ class DepthPlanner:
         run in the same runtime (its settled verify calls priced verifying), 0.92-0.96x `off` at 4 requests,
         temperature 1.0."""
         prof = np.asarray(self.controller.prior_row(self.max_draft), dtype=np.float64)
-        verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
-        draft_ms, plain, spec = float(cost.table.draft_ms(n_adaptive, past=cost.past)), cost.overhead("plain"), cost.overhead("spec")
-        switch = cost.costs.switch.calls * float(verify[0])  # costs/switch.py
-        spec += behind_ms / horizon
-        if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
-            draft_ms, spec = 0.0, spec + draft_ms
+        verify, draft_ms, spec, switch = self._drafting_costs(cost, n_adaptive, n_decode, behind_ms / horizon)
+        plain = cost.overhead("plain")
         others = n_decode - n_adaptive
         depth, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec, others=others)
         start = depth
@@ -193,6 +189,17 @@ class DepthPlanner:
             start, _ = best_draft_depth(prof, n_adaptive, verify, draft_ms, plain, spec + switch / switch_horizon,
                                         others=others)
         return _CachedPlan(depth, start, until, moves, plain + float(verify[0]))
+
+    def _drafting_costs(self, cost, n_adaptive: int, n_decode: int, extra_spec: float = 0.0):
+        """What drafting for n_adaptive of n_decode rows costs: the verify call by draft depth, a draft step's
+        ms, the ms of drafting at all (the step's overhead, extra_spec, a DSpark block pass) and a switch of
+        graphs' ms (costs/switch.py)."""
+        verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
+        draft_ms = float(cost.table.draft_ms(n_adaptive, past=cost.past))
+        spec = cost.overhead("spec") + extra_spec
+        if not self.sequential:  # one block pass at any depth: a cost of drafting at all, not per step
+            draft_ms, spec = 0.0, spec + draft_ms
+        return verify, draft_ms, spec, cost.costs.switch.calls * float(verify[0])
 
     def _exploration(self, n_adaptive: int, n_decode: int, cost, plain_ms: float, decode=None,
                      catch_up=None) -> _Exploration:
@@ -222,12 +229,7 @@ class DepthPlanner:
                 picked.append(explorers[i].id)
                 behind_ms += ms
             rows, n_adaptive = frozenset(picked), len(picked)
-        verify = cost.depth_verify_ms(n_decode - n_adaptive, n_adaptive)
-        draft_ms = float(cost.table.draft_ms(n_adaptive, past=cost.past))
-        switch = cost.costs.switch.calls * float(verify[0])  # costs/switch.py
-        spec = cost.overhead("spec") + (0.0 if self.sequential else draft_ms)
-        if not self.sequential:
-            draft_ms = 0.0
+        verify, draft_ms, spec, switch = self._drafting_costs(cost, n_adaptive, n_decode)
         # plain_ms infinite: the best depth of at least one, whether or not it beats plain decoding
         depth = max(1, best_draft_depth(self.controller.starting_row(self.max_draft), n_adaptive, verify, draft_ms,
                                         float("inf"), spec, others=n_decode - n_adaptive)[0])
