@@ -326,6 +326,28 @@ def test_sampled_tokens_are_the_packed_graphs_draw_for_draw(tiny_artifact, monke
     assert on == off
 
 
+def test_runtimes_sharing_one_backends_sessions_each_decode_on_their_own_caches(tiny_artifact):
+    """The decoding paths bind the caches of the runtime that asked for them: a second runtime on the same
+    backend object is refused (it would decode on the first one's caches), one on for_another_runtime()'s
+    copy shares the sessions and keeps its own caches, whichever runs in between."""
+    from dspark_trt.errors import DsparkError
+    from dspark_trt.runtime.config import GenerationConfig
+    from dspark_trt.runtime.runtime import Runtime
+
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13]]
+    cfg = GenerationConfig(max_new_tokens=16, spec="fixed:2")
+    with Runtime.load(tiny_artifact, profile="none") as first:
+        assert first.backend.decode  # the tiny artifact decodes on its decoding graphs
+        expected = [o.token_ids for o in first.generate(prompts, cfg)]
+        with pytest.raises(DsparkError, match="for_another_runtime"):
+            Runtime(first.artifact_dir, first.manifest, first.backend, first.tokenizer)
+        with Runtime(first.artifact_dir, first.manifest, first.backend.for_another_runtime(),
+                     first.tokenizer) as second:
+            assert second.backend.sessions is first.backend.sessions
+            for rt in (second, first, second):
+                assert [o.token_ids for o in rt.generate(prompts, cfg)] == expected
+
+
 TWICE = {"target": 2, "draft": 2}
 
 

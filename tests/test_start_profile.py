@@ -79,7 +79,8 @@ def _cold_starts(good_profile, tmp_path, monkeypatch):
     def spy(warm, path):
         rt = cold(warm, path)
         # what the run starts from: the start profile's tables, nothing observed, nothing explored
-        started.append((rt is not warm, rt.backend is warm.backend, list(rt.cost.draft_table()),
+        # the same engines (sessions), bound to caches of its own (a cold runtime lives beside the others)
+        started.append((rt is not warm, rt.backend.sessions is warm.backend.sessions, list(rt.cost.draft_table()),
                         sum(d["observations"] for d in rt.cost.drift().values()), rt.metrics.steps))
         return rt
 
@@ -149,6 +150,8 @@ def test_a_cold_start_keeps_its_runtime_across_its_slices_while_the_other_modes_
     _all_cold(started, dear, 2 * 2)  # modes x rounds, not slices
     assert sorted(len(s) for s in served) == [16] * 4  # each served its whole run: both slices
     assert all(len(set(s)) == 1 for s in served)  # of one mode
+    # The cold runtimes live side by side on the warm one's engines, each on caches of its own.
+    assert all(r["greedy_match_off"] == 1.0 for r in res["runs"])
 
 
 def test_the_open_loop_starts_every_run_cold_from_the_start_profile_too(

@@ -52,7 +52,9 @@ def cold_runtime(warm, path: Path, tuning=None):
     overheads, exploration credit, survival statistics. tuning: a RuntimeTuning (default: `warm`'s)."""
     from dspark_trt.runtime.runtime import Runtime
 
-    rt = Runtime(warm.artifact_dir, warm.manifest, warm.backend, warm.tokenizer, tuning=tuning or warm.tuning)
+    share = getattr(warm.backend, "for_another_runtime", None)  # where the backend binds its runtime's caches
+    backend = share() if share is not None else warm.backend
+    rt = Runtime(warm.artifact_dir, warm.manifest, backend, warm.tokenizer, tuning=tuning or warm.tuning)
     rt.profile_name = warm.profile_name
     rt.prefault_caches()
     rt.wait_prefaulted()  # fresh caches: their page faults are not what a start profile is tested for

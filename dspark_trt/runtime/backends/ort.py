@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections import Counter
 from pathlib import Path
@@ -218,11 +219,22 @@ class OrtBackend:
         """The draft's host cache, mirrored slot-major for its decoding graphs where they run (kv_copies)."""
         return self._kv_cache("draft", num_layers, max_context, slots, kv_heads, head_dim, dtype)
 
+    def for_another_runtime(self) -> "OrtBackend":
+        """This backend's sessions for one more runtime: its decoding paths bind the caches of the runtime
+        that asked for them, so a second runtime on the same backend would decode on the first one's."""
+        other = copy.copy(self)
+        other.decode, other._decode_sessions = {}, dict(self._decode_sessions)
+        other.calls, other.last_graph = Counter(), None
+        return other
+
     def _kv_cache(self, model: str, num_layers, max_context, slots, kv_heads, head_dim, dtype):
         from dspark_trt.runtime.backends.ort_decode import DecodePath, MirroredKVCache
         from dspark_trt.runtime.kv_cache import KVCache
 
         graphs = [g for g in self._decode_sessions if MODEL_OF[g] == model]
+        if any(g in self.decode for g in graphs):
+            raise DsparkError(f"this ONNX Runtime backend already decodes on another runtime's {model} cache: "
+                              "give each runtime a backend of its own (backend.for_another_runtime())")
         if self.kv_copies(max_context)[model] == 1:
             for g in graphs:
                 del self._decode_sessions[g]
