@@ -152,7 +152,7 @@ def merge_slices(parts: list[dict]) -> dict:
             "step_log": [r for p in parts for r in p["step_log"]], "timeline": stitched,
             "window": None if None in windows else (sum(w[0] for w in windows), sum(w[1] for w in windows)),
             "first_tokens": first_tokens_rate(stitched, [{"submitted_at": 0.0}], FIRST_TOKENS),
-            "survival_correction": parts[-1]["survival_correction"], "slices": len(parts)}
+            "survival_correction": parts[-1]["survival_correction"]}
 
 
 def _warmup(rt, prompts, modes, concurrency, temperature, seed) -> None:

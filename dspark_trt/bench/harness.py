@@ -140,13 +140,14 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
         source = f"held-out stdlib split, seeded snippets (seed {seed})"
     lens = [len(p.ids) for p in prompts]
     # Each level's run cut into the slices the modes take turns at.
-    cuts = {c: run_slices(requests_per_run(len(prompts), c), c) for c in levels}
+    per_run = {c: requests_per_run(len(prompts), c) for c in levels}
+    cuts = {c: run_slices(per_run[c], c) for c in levels}
     settings = {"prompts_source": source, "num_prompts": len(prompts), "prompt_tokens_min": min(lens),
                 "prompt_tokens_max": max(lens), "prompt_tokens_mean": float(np.mean(lens)),
                 "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": int(seed),
                 "rounds": int(rounds), "concurrency": levels, "modes": mode_list,
                 "concurrency_requested": str(concurrency), "max_batch": max_batch, "max_draft": max_draft,
-                "requests_per_run": {c: requests_per_run(len(prompts), c) for c in levels},
+                "requests_per_run": per_run,
                 "slices_per_round": {c: len(cuts[c]) for c in levels},
                 "start_profile": str(start_profile) if start_profile is not None else None}
     peer_list = []
@@ -182,9 +183,9 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
             notes.append("no cost profile: oracle goodput not computed")
         result = {"format": "dspark-trt/bench", "version": 1, "complete": False, "env": env, "settings": settings,
                   "notes": notes, "prompts": [p.to_dict() for p in prompts], "runs": [], "summary": []}
-        total = sum(requests_per_run(len(prompts), c) for c in levels) * len(mode_list) * int(rounds)
+        total = sum(per_run.values()) * len(mode_list) * int(rounds)
         peer_reqs = len(prompts) * 2 if peers and "hf" in engines else 0
-        peer_reqs += sum(requests_per_run(len(prompts), c) for c in levels for p in peer_list
+        peer_reqs += sum(per_run[c] for c in levels for p in peer_list
                          if c <= p.max_batch) * int(rounds)
         with tqdm(total=total + peer_reqs, desc="bench", unit="req", disable=not progress, dynamic_ncols=True) as bar:
             if warmup:
@@ -196,7 +197,6 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                 peer_raw = {p.mode: [] for p in peer_list}
                 peer_by_mode = {p.mode: p for p in peer_list}
                 names = mode_list + list(peer_by_mode)
-                n_req = requests_per_run(len(prompts), c)
                 for rnd in range(int(rounds)):
                     parts = {m: [] for m in mode_list}
                     # A cold start is one run from its start: each mode's cold runtime serves all its slices
@@ -209,7 +209,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                                 bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}"
                                                     + (f" slice {s + 1}/{len(cuts[c])}" if len(cuts[c]) > 1 else ""))
                                 if m in peer_by_mode:  # other processes: a whole run, in the round's first slice
-                                    run = peer_runs.measure(peer_by_mode[m], c, n_req, int(max_new_tokens)) if s == 0 else None
+                                    run = peer_runs.measure(peer_by_mode[m], c, per_run[c], int(max_new_tokens)) if s == 0 else None
                                     if run is not None:
                                         peer_raw[m].append(run)
                                         bar.update(len(run["requests"]))
