@@ -155,17 +155,19 @@ def test_the_mean_profile_weighs_steps_by_their_rows():
 
 @SETTINGS
 @given(st.data())
-def test_the_small_greedy_path_plans_and_remembers_what_the_numpy_path_does(data):
-    """Up to solver.SMALL_SLOTS slots the greedy plan runs in pure Python: the same lengths, the same rows
-    kept for the next step and the same mean profile as the numpy path, step after step."""
+def test_the_small_path_plans_and_remembers_what_the_numpy_path_does(data):
+    """Up to solver.SMALL_SLOTS slots the plan runs in pure Python, sampling requests (budget sized from
+    their last rows or the prior) included: the same lengths, the same rows kept for the next step and the
+    same mean profile as the numpy path, step after step."""
     fast, slow = AdaptiveController(prior_decay=0.2), AdaptiveController(prior_decay=0.2, small_slots=0)
-    for step in range(3):
+    for step in range(4):
         R, K = data.draw(st.integers(1, 8)), data.draw(st.integers(1, 7))
         S = data.draw(survival(R, K))
         caps = data.draw(st.one_of(st.none(), st.lists(st.integers(0, K), min_size=R, max_size=R)))
         ids = data.draw(st.lists(st.integers(0, 12), min_size=R, max_size=R, unique=True))
-        got = fast.plan(S, ids, [False] * R, COST, R, caps=caps)
-        want = slow.plan(S, ids, [False] * R, COST, R, caps=caps)
+        sampling = data.draw(st.lists(st.booleans(), min_size=R, max_size=R))
+        got = fast.plan(S, ids, sampling, COST, R, caps=caps)
+        want = slow.plan(S, ids, sampling, COST, R, caps=caps)
         assert got.tolist() == want.tolist() and got.dtype == want.dtype
         for rid in ids:
             assert fast.previous_row(rid) == pytest.approx(slow.previous_row(rid), abs=1e-12)

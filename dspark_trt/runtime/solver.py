@@ -298,18 +298,11 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
     draft cost it would reject, or too short to extrapolate): it raises the error that explains.
     """
     R = len(rows)
-    K = len(rows[0]) if R else 0
     d = float(draft_cost_ms)
     N = float(R if n_emitting is None else n_emitting)
     if not (0.0 <= d < math.inf and 0.0 <= N < math.inf):
         return None
-    vals, slot = [], []
-    for k in range(K):
-        for r in range(R):
-            if caps is None or k < caps[r]:
-                vals.append(rows[r][k])
-                slot.append(r)
-    order = sorted(range(len(vals)), key=vals.__getitem__, reverse=True)  # stable: ties keep k-major order
+    vals, slot, order = _rank_small(rows, caps)
     if max_budget is not None:
         del order[max(0, int(max_budget)):]
     if isinstance(verify_cost_ms, np.ndarray):
@@ -336,10 +329,32 @@ def solve_small(rows: list[list[float]], caps: list[int] | None, verify_cost_ms,
         obj = g / denom
         if obj > best_obj:
             best_obj, best = obj, b
+    return best, _lengths_small(slot, order, best, R)
+
+
+def solve_small_for_b(rows: list[list[float]], caps: list[int] | None, budget: int) -> list[int]:
+    """:func:`solve_budget_for_b` in pure Python for a few valid rows (see rows_valid): the same lengths."""
+    _, slot, order = _rank_small(rows, caps)
+    return _lengths_small(slot, order, min(max(int(budget), 0), len(order)), len(rows))
+
+
+def _rank_small(rows: list[list[float]], caps: list[int] | None) -> tuple[list[float], list[int], list[int]]:
+    """:func:`_rank` in pure Python: the allowed slots' survivals and requests (k-major), and their
+    admission order (descending survival; a stable sort, so ties keep the k-major order)."""
+    vals, slot = [], []
+    for k in range(len(rows[0]) if rows else 0):
+        for r, row in enumerate(rows):
+            if caps is None or k < caps[r]:
+                vals.append(row[k])
+                slot.append(r)
+    return vals, slot, sorted(range(len(vals)), key=vals.__getitem__, reverse=True)
+
+
+def _lengths_small(slot: list[int], order: list[int], budget: int, R: int) -> list[int]:
     lengths = [0] * R
-    for i in order[:best]:
+    for i in order[:budget]:
         lengths[slot[i]] += 1
-    return best, lengths
+    return lengths
 
 
 def cap_depth(lengths, survival, call_ms, fixed_ms: float = 0.0, base_gain: float = 0.0) -> int:
