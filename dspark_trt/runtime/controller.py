@@ -239,10 +239,11 @@ class AdaptiveController:
         None where a stored row would have to be widened (the numpy path does that)."""
         sizing, prior = [], None
         for row, rid, samples in zip(rows, ids, sampling_mask):
-            i = self._row_of.get(rid) if samples else None
             if not samples:
                 sizing.append(row)
-            elif i is None:
+                continue
+            i = self._row_of.get(rid)
+            if i is None:
                 prior = self.prior_row(K).tolist() if prior is None else prior
                 sizing.append(prior)
             elif self._rows.shape[1] >= K:

@@ -84,7 +84,7 @@ class Verifier:
         self.chunk = min(tuning.prefill_chunk, self.query_len_max)  # most prompt tokens of a request in one call
         self._zeros: np.ndarray | None = None  # see _zero_probs
         self._graph, self._same = None, 0  # the graph of the last target call, and its calls before in a row
-        self._ran: set = set()  # the graphs this runtime has called (see _call)
+        self._graphs_called: set = set()  # by this runtime (a graph's first call teaches nothing: _call)
         self._prompts = False  # the last target call fed a prompt chunk
 
     def prompts_ahead(self, batch) -> PromptsAhead | None:
@@ -214,8 +214,8 @@ class Verifier:
         # A graph's first call in this runtime pays its one-time set-up (a fresh process's first prompt took
         # 31.6 ms where the next took 10): it teaches nothing. Learned, it priced verifying at 1 request
         # ~1.6x too dear (3.4 against 2.0 ms), and one fresh start in three decoded its first request plainly.
-        first = graph not in self._ran
-        self._ran.add(graph)
+        first = graph not in self._graphs_called
+        self._graphs_called.add(graph)
         self.kv.write(present, feeds["positions"], token_slots(feeds))
         tokens = int(feeds["tokens"].shape[0])
         synced = getattr(self.kv, "sync_ms", 0.0) - synced
