@@ -166,10 +166,14 @@ def test_exploration_spends_a_share_of_plain_step_time_that_falls_as_exploration
     assert all(c == 5.0 for c in charged)
     assert 5.0 * len(charged) <= budget * 10.0 * len(due)
     gaps = np.diff([i for i, c in enumerate(due) if c is not None])
-    assert gaps[0] < gaps[-1] <= 10 * gaps[0]  # the share falls with confirmations, to a tenth at most
+    assert gaps[0] < gaps[-1] <= gaps[0] / ExplorationSchedule.FLOOR  # it falls with confirmations, to the floor
     # as 1 / (1 + n)^2: after one confirmation the wait is 4x the first, after two 9x
     assert gaps[1] / gaps[0] == pytest.approx(9 / 4, rel=0.15)
     assert s.share(16) == pytest.approx(budget * ExplorationSchedule.FLOOR)
+    # Confirmed over and over, it spends a fiftieth of its budget: each exploring step holds up every request
+    # in flight, and at a tenth an open loop's TPOT p50 read 1.06x `off`'s.
+    late = [c for c in due[10000:] if c is not None]
+    assert 5.0 * len(late) <= 1.05 * budget / 50 * 10.0 * 10000
     assert s.due(1, 10.0, 5.0) is None  # every load bucket earns its own credit
     # Explorations where drafting paid do not count: exploring goes on at the full share.
     s, due = drive(False, 2000)
