@@ -193,7 +193,7 @@ class RuntimeTuning:
     """While the cost model plans no drafting, the share of step time that scheduled exploration (drafting as
     deep as pays best with the starting survival profile, all of it verified, every call observed) may
     spend, per load; it falls as 1/(1 + n)^2, n the
-    explorations there that confirmed the plan not to draft, to a tenth of this. Larger recovers sooner from
+    explorations there that confirmed the plan not to draft, to a fiftieth of this. Larger recovers sooner from
     a profile too pessimistic about drafting and costs more where drafting truly does not pay; 0: never
     explore."""
 
