@@ -21,10 +21,9 @@ So exploring costs at most that share of plain steps' time, bar the first catch-
 where even its catch-up cannot fit; credit saved up beyond an exploration's charge is dropped when it
 runs, so long savings never pay for a burst. The share starts at ``explore_budget`` and falls as
 1/(1 + n)^2, n the explorations at the load that confirmed the plan not to draft (the step they ran,
-drafting, emitted fewer tokens per ms than the modelled plain step, the draft's catch-up and the switch
-into verifying aside: a stretch of drafting pays those once), down to a fiftieth of it, which keeps a
-machine that changes later from going unnoticed for good; one that does not confirm it keeps exploring
-at the full share until the tables have caught up. (Falling as 1/(1 + n),
+drafting, emitted fewer tokens per ms than the modelled plain step, the draft's catch-up aside), down to a
+fiftieth of it, which keeps a machine that changes later from going unnoticed for good; one that does not
+confirm it keeps exploring at the full share until the tables have caught up. (Falling as 1/(1 + n),
 explorations at ~62 rows in an open loop at twice the capacity, 200-400 ms each with the draft catching up
 every row's long text, all confirming, took 2-4.5% of the time. Confirming by the tables instead, a draft
 call within the drift's margin, let a draft table 25% too dear at 64 requests, where drafting still did not
@@ -119,8 +118,7 @@ class ExplorationSchedule:
         """Whether an exploration confirmed the plan not to draft: the step it ran, drafting, would emit
         fewer tokens per ms than the modelled plain step (plain_ms; its `rows` rows emit a token each), with
         the exploring rows' drafts counted both as their survivals expected and as accepted. plain_tokens:
-        what the step emitted without those drafts; drafting_ms: its measured ms, the catch-up and the switch
-        into verifying aside.
+        what the step emitted without those drafts; drafting_ms: its measured ms, the catch-up aside.
 
         Either count alone misjudged: one step's acceptances are few (a run of rejections confirmed a
         profile 3x too dear about drafting), and a fresh start's head scored drafts that were all accepted
