@@ -139,7 +139,6 @@ def test_an_exploration_drafts_as_deep_as_the_starting_profile_pays_best_not_the
     plain_ms = cost.overhead("plain") + verify[0]
     assert explored[0].explore_ms == pytest.approx(cost.overhead("spec") + depth * 1.0 + verify[depth] - plain_ms
                                                    + costs.switch.calls * verify[0])
-    assert explored[0].switch_ms == pytest.approx(costs.switch.into_verifying * verify[0])
 
 
 def test_an_exploration_drafts_for_the_rows_the_draft_catches_up_within_a_plain_step():
@@ -170,31 +169,6 @@ def test_an_exploration_drafts_for_the_rows_the_draft_catches_up_within_a_plain_
     assert [r.id for r in drafting_rows(rows, plans[0].steps, lambda r, d: d, plans[0].rows)] == [1, 3, 4]
     # however far behind, one row explores
     assert all(p.rows == {2} for p in explored([request(2)]))
-
-
-def test_an_explorations_step_is_judged_without_its_switch_into_verifying():
-    """A stretch of drafting pays the switch of graphs into verifying once (the plan spreads it over the
-    stretch); an exploration is one step, so whether it confirmed the plan not to draft is judged without it.
-    At one request a one-deep exploration took 2.3x a plain step, most of it that switch, and confirmed a
-    plan that kept a 3x-too-dear draft profile from drafting for 12 requests."""
-    from dspark_trt.runtime.phases.depth_planner import DepthPlan
-    from dspark_trt.runtime.phases.exploration import ExplorationSchedule
-    from dspark_trt.runtime.phases.learn import Learner
-
-    def share_after(switch_ms: float) -> float:
-        schedule = ExplorationSchedule(0.1)
-        learner = Learner(K, RuntimeTuning(), None, Costs(64, K), Metrics(K), schedule)
-        # 1 row, plain step 1.5 ms; the exploring step drafted one token, got it accepted and took 3.3 ms
-        depth = DepthPlan(1, True, 1.8, 1.5, 1.8, switch_ms=switch_ms)
-        drafted = SimpleNamespace(catch_up_ms=0.0, priced_ms=0.3, drafts={0: None})
-        result = SimpleNamespace(verify_lens=np.array([1]), accepted=np.array([1]), calls=1, query_lens=[2],
-                                 past_lens=[100], priced_ms=1.6, switch_ms=0.0, last_call_ms=0.0)
-        learner._rates(SimpleNamespace(decode=[request(0)]), depth, drafted,
-                       SimpleNamespace(predicted_accepted=0.9), result, 3.3)
-        return schedule.share(1)
-
-    assert share_after(0.0) == pytest.approx(0.1 / 4)  # 2 tokens in 3.3 ms against 1 in 1.5: confirmed
-    assert share_after(1.8) == pytest.approx(0.1)  # 2 tokens in 1.5 ms once the switch is set aside
 
 
 def test_an_exploration_confirms_the_plan_only_if_neither_its_survivals_nor_its_acceptances_say_drafting_paid():

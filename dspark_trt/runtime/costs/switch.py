@@ -44,12 +44,6 @@ class SwitchPrice:
         return self._mean[True] + self._mean[False]
 
     @property
-    def into_verifying(self) -> float:
-        """The switch into verifying alone, in plain calls: what one drafting step between plain ones pays within
-        its own time (the way back falls on the plain steps after it)."""
-        return self._mean[False]
-
-    @property
     def listening(self) -> bool:
         """A switch is under way: the next call's excess is part of its price."""
         return self._into is not None

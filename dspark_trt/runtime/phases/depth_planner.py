@@ -35,7 +35,6 @@ class DepthPlan(NamedTuple):
     charged_ms: float = 0.0  # what the exploration schedule charged for it (its catch-up included)
     checking: bool = False  # a plain check: no drafting although the model plans some (plain_check.py)
     rows: frozenset | None = None  # the ids of the adaptive requests an exploration drafts for (None: all)
-    switch_ms: float = 0.0  # an exploring step's modelled switch into verifying: a stretch pays it once
 
 
 class _CachedPlan(NamedTuple):
@@ -55,7 +54,6 @@ class _Exploration(NamedTuple):
     extra_ms: float  # modelled extra ms over a plain step (its draft calls, verifying them, a switch)
     charge_ms: float  # that and the draft catching its rows up
     rows: frozenset | None  # the ids of the requests it drafts for (None: all adaptive ones)
-    switch_ms: float  # of extra_ms, the switch of graphs into verifying
 
 
 class DepthPlanner:
@@ -147,8 +145,7 @@ class DepthPlanner:
             if charged is not None:
                 self._cache.pop(key)
                 e = looked[-1]
-                return DepthPlan(e.depth, True, e.extra_ms, cached.plain_ms, charged, rows=e.rows,
-                                 switch_ms=e.switch_ms)
+                return DepthPlan(e.depth, True, e.extra_ms, cached.plain_ms, charged, rows=e.rows)
             return DepthPlan(0)
         shape = cost.costs.shape
         if learning and self.plain_checks.due(n_decode, shape is None or shape.observed(n_decode, plain=True)):
@@ -237,4 +234,4 @@ class DepthPlanner:
         depth = max(1, best_draft_depth(self.controller.starting_row(self.max_draft), n_adaptive, verify, draft_ms,
                                         float("inf"), spec, others=n_decode - n_adaptive)[0])
         extra = spec + depth * draft_ms + float(verify[min(depth, len(verify) - 1)]) - plain_ms + switch
-        return _Exploration(depth, extra, extra + behind_ms, rows, cost.costs.switch.into_verifying * float(verify[0]))
+        return _Exploration(depth, extra, extra + behind_ms, rows)

@@ -84,11 +84,8 @@ class Learner:
             prefill_ms = (result.last_call_ms if result.calls > 1
                           else costs.prefill_share(result.query_lens, result.past_lens, nd))
             gain = sum(int(min(accepted[i], vl[i])) for i, r in enumerate(batch.decode) if r.mode.kind == "adaptive")
-            # Nor the switch of graphs into verifying, which a stretch of drafting pays once and the plan spreads
-            # over the stretch: at one request a one-deep exploration's step took 2.3x a plain one, most of it
-            # that switch, and confirmed a plan that kept a 3x-too-dear draft profile from drafting for 12 requests.
             confirmed = self.exploration.confirms(emitted - gain, nd, plan.predicted_accepted, gain, depth.plain_ms,
-                                                  wall_ms - prefill_ms - drafted.catch_up_ms - depth.switch_ms)
+                                                  wall_ms - prefill_ms - drafted.catch_up_ms)
             self.exploration.settle(nd, depth.charged_ms, wall_ms - prefill_ms - depth.plain_ms, confirmed)
         unpriced = wall_ms - drafted.priced_ms - result.priced_ms - drafted.catch_up_ms - result.switch_ms
         costs.overhead.observe("spec" if drafted.drafts else "plain", nd, unpriced)
