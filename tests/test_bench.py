@@ -280,6 +280,26 @@ def test_summary_held_out_interval_spans_the_rounds_and_says_its_coverage():
     assert s["adaptive_over_best_held_out_coverage"] == pytest.approx(1 - 2 / 32)
 
 
+def test_summary_first_tokens_are_judged_held_out_too():
+    """A cold start's first 512 tokens are one short window a round: against the luckiest baseline's median
+    adaptive reads low; against the baseline that led the other rounds it does not."""
+    def cell(mode, first):
+        return dict(_cell(mode, [100, 100, 100]), round_first_tokens_tok_s=list(first),
+                    first_tokens_tok_s=float(np.median(first)))
+
+    runs = [cell("off", [70, 70, 70]), cell("fixed:3", [118, 96, 100]), cell("fixed:4", [95, 117, 102]),
+            cell("adaptive", [100, 100, 100])]
+    s, = _summary(runs, [8])
+    assert s["adaptive_over_best_first_tokens"] == pytest.approx(100 / 102)  # fixed:4's median, its lucky round
+    # Round 1 against fixed:4 (best of rounds 2-3), round 2 against fixed:3, round 3 against fixed:3 (107 > 106).
+    assert s["adaptive_over_best_first_tokens_held_out"] == pytest.approx(np.median([100 / 95, 100 / 96, 100 / 100]))
+    assert s["adaptive_over_best_first_tokens_held_out_interval"] == pytest.approx([100 / 100, 100 / 95])
+    # A run without first tokens (no round reached 512) has no held-out figure either.
+    runs[-1]["round_first_tokens_tok_s"] = [100, None, 100]
+    s, = _summary(runs, [8])
+    assert s["adaptive_over_best_first_tokens_held_out"] is None
+
+
 def test_median_interval_is_the_sign_test_interval():
     # n = 10: the 2nd lowest to the 2nd highest covers 1 - 2 * 11/1024; the 3rd to the 8th would cover
     # only 1 - 2 * 56/1024 = 0.89, below 0.9.

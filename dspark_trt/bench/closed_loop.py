@@ -181,8 +181,11 @@ def _summary(runs: list[dict], concurrency: list[int]) -> list[dict]:
         ad = rows.get("adaptive")
         top = max([r for r in (off, best) if r is not None], key=lambda r: r["output_tok_s"], default=None)
         first = [r["first_tokens_tok_s"] for r in (off, *fixed) if r is not None and r.get("first_tokens_tok_s")]
-        held, picks, held_rounds = _held_out(ad, [r for r in (off, *fixed) if r is not None])
+        baselines = [r for r in (off, *fixed) if r is not None]
+        held, picks, held_rounds = _held_out(ad, baselines)
         interval = median_interval(held_rounds)
+        held_first, _, first_rounds = _held_out(ad, baselines, "round_first_tokens_tok_s")
+        first_interval = median_interval(first_rounds)
         out.append({
             "concurrency": c,
             "off_tok_s": off["output_tok_s"] if off else None,
@@ -201,6 +204,8 @@ def _summary(runs: list[dict], concurrency: list[int]) -> list[dict]:
             "first_tokens": FIRST_TOKENS,
             "adaptive_over_best_first_tokens": (ad["first_tokens_tok_s"] / max(first)
                                                 if ad and ad.get("first_tokens_tok_s") and first else None),
+            "adaptive_over_best_first_tokens_held_out": held_first,
+            "adaptive_over_best_first_tokens_held_out_interval": list(first_interval[:2]) if first_interval else None,
         })
     return out
 
@@ -221,26 +226,33 @@ def _engine_drift(rows) -> float | None:
     return float(np.median(spreads)) if spreads else None
 
 
-def _held_out(ad: dict | None, baselines: list[dict]) -> tuple[float | None, list[str], list[float]]:
+def _held_out(ad: dict | None, baselines: list[dict], key: str = "round_output_tok_s"
+              ) -> tuple[float | None, list[str], list[float]]:
     """Adaptive over the baseline a tuner would pick, judged on rounds it was not picked on.
 
     For each round: the baseline (off or a fixed K) with the highest median over the *other* rounds,
     and adaptive's throughput over that baseline's in this round; the median of those ratios. The
     in-sample ratio divides by the best of eight noisy medians, which overstates the best arm by about
     the noise (the winner's curse): with every arm equally fast it would put adaptive ~1-2 noise widths
-    below 1. Returns (median, picks, the per-round ratios); (None, [], []) with fewer than two rounds."""
-    n = len(ad["round_output_tok_s"]) if ad else 0
-    if n < 2 or not baselines or any(len(r["round_output_tok_s"]) != n for r in baselines):
+    below 1. key: the per-round figure (steady throughput, or the first tokens' rate: a 512-token window
+    moves +-15% round to round here). Returns (median, picks, the per-round ratios); (None, [], []) with
+    fewer than two rounds."""
+    def rounds(r: dict | None) -> list:
+        return list((r or {}).get(key) or [])
+
+    n = len(rounds(ad))
+    if n < 2 or not baselines or any(len(rounds(r)) != n for r in baselines) \
+            or any(x is None for r in (ad, *baselines) for x in rounds(r)):
         return None, [], []
 
     def others(r: dict, i: int) -> float:
-        return float(np.median([x for j, x in enumerate(r["round_output_tok_s"]) if j != i]))
+        return float(np.median([x for j, x in enumerate(rounds(r)) if j != i]))
 
     ratios, picks = [], []
     for i in range(n):
         pick = max(baselines, key=lambda r: others(r, i))
-        if pick["round_output_tok_s"][i] > 0:
-            ratios.append(ad["round_output_tok_s"][i] / pick["round_output_tok_s"][i])
+        if rounds(pick)[i] > 0:
+            ratios.append(rounds(ad)[i] / rounds(pick)[i])
             picks.append(pick["mode"])
     return (float(np.median(ratios)) if ratios else None), picks, ratios
 
