@@ -235,7 +235,7 @@ def _held_out(ad: dict | None, baselines: list[dict], key: str = "round_output_t
     in-sample ratio divides by the best of eight noisy medians, which overstates the best arm by about
     the noise (the winner's curse): with every arm equally fast it would put adaptive ~1-2 noise widths
     below 1. key: the per-round figure (steady throughput, or the first tokens' rate: a 512-token window
-    moves +-15% round to round here). Returns (median, picks, the per-round ratios); (None, [], []) with
+    moved 15-20% from round to round on the 2-core VM). Returns (median, picks, the per-round ratios); (None, [], []) with
     fewer than two rounds."""
     def rounds(r: dict | None) -> list:
         return list((r or {}).get(key) or [])
