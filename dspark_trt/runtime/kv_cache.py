@@ -40,6 +40,11 @@ class KVCache:
         for buf in (*self.keys, *self.values):
             buf[:length, dst] = buf[:length, src]
 
+    def release(self) -> None:
+        """Drop the buffers (the runtime closed): their memory goes back now, not when the garbage collector
+        gets to the runtime's reference cycles."""
+        self.keys, self.values, self._flat = [], [], []
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.keys) * 2

@@ -391,6 +391,20 @@ class Runtime:
             from dspark_trt.runtime.costs.profiling import persist_refined
 
             persist_refined(self)
+        if self._worker is None or not self._worker.is_alive():  # a step still running keeps its caches
+            self._release_caches()
+
+    def _release_caches(self) -> None:
+        """Give the KV caches' memory back now (~0.8 GB a runtime at 64 slots x 1024 positions): the runtime's
+        parts refer to one another, so without this it waited for the garbage collector, and a bench starting
+        every run cold on a runtime of its own ran out of memory after ~25 of them."""
+        drafting = getattr(self.drafter, "drafting", None)
+        for cache in (self.target_kv, self.draft_kv, getattr(drafting, "cache", None)):
+            if isinstance(cache, KVCache):
+                cache.release()
+        release = getattr(self.backend, "release_caches", None)
+        if release is not None:
+            release()
 
     def __enter__(self):
         return self

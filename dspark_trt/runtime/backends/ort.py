@@ -205,6 +205,11 @@ class OrtBackend:
             out[model] = 2 if not isinstance(axis, int) or axis == max_context else 1
         return out
 
+    def release_caches(self) -> None:
+        """Unbind the decoding paths from the runtime's caches (it closed): their bindings hold the cache
+        buffers."""
+        self.decode = {}
+
     def drop_kv_copies(self) -> None:
         """No decoding graphs, so each cache is kept once (the memory plan's choice when both do not fit)."""
         self._decode_sessions = {}

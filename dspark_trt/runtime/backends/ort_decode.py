@@ -89,6 +89,10 @@ class MirroredKVCache(KVCache):
         self.host_hi = np.zeros(slots, dtype=np.int64)
         self.sync_ms = 0.0  # time spent in both syncs so far: a switch's cost, which callers keep out of call prices
 
+    def release(self) -> None:
+        super().release()
+        self.slot_major, self._sm_flat, self._host_rows = [], [], []
+
     def move(self, src: int, dst: int, length: int) -> None:
         super().move(src, dst, length)
         for buf in self.slot_major:
