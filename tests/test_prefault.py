@@ -145,6 +145,7 @@ def test_closing_a_runtime_gives_its_caches_memory_back_at_once(tiny_artifact):
     import gc
     import weakref
 
+    from dspark_trt.errors import DsparkError
     from dspark_trt.runtime.config import GenerationConfig
     from dspark_trt.runtime.runtime import Runtime
 
@@ -160,5 +161,5 @@ def test_closing_a_runtime_gives_its_caches_memory_back_at_once(tiny_artifact):
         assert all(ref() is None for ref in buffers)
     finally:
         gc.enable()
-    with pytest.raises(Exception):
+    with pytest.raises(DsparkError, match="closed"):
         rt.submit([5, 6], GenerationConfig(max_new_tokens=2))

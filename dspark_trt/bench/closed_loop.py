@@ -235,25 +235,24 @@ def _held_out(ad: dict | None, baselines: list[dict], key: str = "round_output_t
     in-sample ratio divides by the best of eight noisy medians, which overstates the best arm by about
     the noise (the winner's curse): with every arm equally fast it would put adaptive ~1-2 noise widths
     below 1. key: the per-round figure (steady throughput, or the first tokens' rate: a 512-token window
-    moved 15-20% from round to round on the 2-core VM). Returns (median, picks, the per-round ratios); (None, [], []) with
-    fewer than two rounds."""
-    def rounds(r: dict | None) -> list:
-        return list((r or {}).get(key) or [])
-
-    n = len(rounds(ad))
-    if n < 2 or not baselines or any(len(rounds(r)) != n for r in baselines) \
-            or any(x is None for r in (ad, *baselines) for x in rounds(r)):
+    moved 15-20% from round to round on the 2-core VM). Returns (median, picks, the per-round ratios);
+    (None, [], []) with fewer than two rounds, or a round without the figure."""
+    mine = (ad or {}).get(key) or []
+    theirs = [(r["mode"], r.get(key) or []) for r in baselines]
+    n = len(mine)
+    if n < 2 or not theirs or any(len(v) != n for _, v in theirs) \
+            or any(x is None for v in (mine, *(v for _, v in theirs)) for x in v):
         return None, [], []
 
-    def others(r: dict, i: int) -> float:
-        return float(np.median([x for j, x in enumerate(rounds(r)) if j != i]))
+    def others(v: list, i: int) -> float:
+        return float(np.median([x for j, x in enumerate(v) if j != i]))
 
     ratios, picks = [], []
     for i in range(n):
-        pick = max(baselines, key=lambda r: others(r, i))
-        if rounds(pick)[i] > 0:
-            ratios.append(rounds(ad)[i] / rounds(pick)[i])
-            picks.append(pick["mode"])
+        mode, v = max(theirs, key=lambda b: others(b[1], i))
+        if v[i] > 0:
+            ratios.append(mine[i] / v[i])
+            picks.append(mode)
     return (float(np.median(ratios)) if ratios else None), picks, ratios
 
 

@@ -366,11 +366,8 @@ class Runtime:
         from dspark_trt.runtime.prefault import prefault_in_background
 
         if self._prefault is None:
-            drafting = getattr(self.drafter, "drafting", None)
-            caches = [self.target_kv, self.draft_kv, getattr(drafting, "cache", None)]
             self._prefault = prefault_in_background(
-                [b for c in caches if isinstance(c, KVCache)
-                 for b in (*c.keys, *c.values, *getattr(c, "slot_major", ()))])
+                [b for c in self._host_caches() for b in (*c.keys, *c.values, *getattr(c, "slot_major", ()))])
             self._mapping_since = time.monotonic()
 
     def wait_prefaulted(self) -> None:
@@ -394,14 +391,17 @@ class Runtime:
         if self._worker is None or not self._worker.is_alive():  # a step still running keeps its caches
             self._release_caches()
 
+    def _host_caches(self) -> list[KVCache]:
+        """The KV caches in host memory: the target's, the classic draft's, a DSpark drafter's context cache."""
+        drafting = getattr(self.drafter, "drafting", None)
+        return [c for c in (self.target_kv, self.draft_kv, getattr(drafting, "cache", None)) if isinstance(c, KVCache)]
+
     def _release_caches(self) -> None:
         """Give the KV caches' memory back now (~0.8 GB a runtime at 64 slots x 1024 positions): the runtime's
         parts refer to one another, so without this it waited for the garbage collector, and a bench starting
         every run cold on a runtime of its own ran out of memory after ~25 of them."""
-        drafting = getattr(self.drafter, "drafting", None)
-        for cache in (self.target_kv, self.draft_kv, getattr(drafting, "cache", None)):
-            if isinstance(cache, KVCache):
-                cache.release()
+        for cache in self._host_caches():
+            cache.release()
         release = getattr(self.backend, "release_caches", None)
         if release is not None:
             release()
