@@ -492,3 +492,22 @@ def test_tiny_bench_end_to_end_with_peers(tiny_artifact, tmp_path):
     sub = [d for d in out.iterdir() if d.is_dir() and d.name.startswith("run-")]
     assert len(sub) == 1 and (sub[0] / "results.md").is_file() and (sub[0] / "throughput.png").is_file()
     assert json.loads((sub[0] / "results.json").read_text())["runs"][0]["generated_tokens"] == 3 * 2  # 3 waves
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 9])
+def test_modes_run_in_orders_where_each_follows_every_other_equally_often_and_holds_every_place(n):
+    from collections import Counter
+
+    from dspark_trt.bench.options import mode_order
+
+    names = [f"m{i}" for i in range(n)]
+    cycle = 2 * n if n % 2 else n
+    orders = [mode_order(names, t) for t in range(cycle)]
+    assert all(sorted(o) == names for o in orders)
+    assert mode_order(names, cycle + 1) == orders[1]  # the design repeats
+    follows = Counter((a, b) for o in orders for a, b in zip(o, o[1:]))
+    assert set(follows) == {(a, b) for a in names for b in names if a != b}
+    assert len(set(follows.values())) == 1
+    for place in range(n):
+        assert Counter(o[place] for o in orders) == Counter({m: cycle // n for m in names})
+

@@ -8,10 +8,10 @@ Method
   (at least WAVES waves, so a run measures the steady state rather than one start-up and one ramp-down
   of a single wave); request i uses prompt i mod num_prompts and sampling seed seed + i. Every request generates exactly
   max_new_tokens tokens (EOS does not stop it), so every mode emits the same tokens.
-- For each concurrency the modes run in turn (interleaved), ``rounds`` times with the mode order rotated
-  each round, so slow machine drift hits all modes alike; a (mode, c) row aggregates its rounds. Within a
-  round the modes take turns slice by slice (options.run_slices: 8 requests at a time at one request, one
-  slice from 16 requests on), every mode's slice the same requests, the order rotated each slice: the
+- For each concurrency the modes run in turn (interleaved), ``rounds`` times in balanced orders
+  (options.mode_order), so slow machine drift hits all modes alike; a (mode, c) row aggregates its
+  rounds. Within a round the modes take turns slice by slice (options.run_slices: 8 requests at a time at one request, one
+  slice from 16 requests on), every mode's slice the same requests, the order changed each slice: the
   machine's speed moves within seconds, and whole runs taken one after the other were far apart by luck.
 - Concurrency above the artifact's max batch is capped to it (said on the console and in results.json).
 
@@ -34,8 +34,8 @@ from dspark_trt.bench.closed_loop import (_aggregate, _comparison, _measure, _ru
                                           _warmup, merge_slices, run_metrics)
 from dspark_trt.bench.latency import median_interval, steady_window, summarize_requests  # noqa: F401
 from dspark_trt.bench.options import (DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODES,  # noqa: F401
-                                      DEFAULT_NUM_PROMPTS, QUICK, apply_quick, parse_concurrency, parse_modes,
-                                      requests_per_run, resolve_out_dir, run_slices)
+                                      DEFAULT_NUM_PROMPTS, QUICK, apply_quick, mode_order, parse_concurrency,
+                                      parse_modes, requests_per_run, resolve_out_dir, run_slices)
 from dspark_trt.bench.results import _command_line, _env, _write, render_markdown  # noqa: F401
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import fixed_k_limit
@@ -205,7 +205,7 @@ def run_bench(artifact_dir, backend: str = "ort", concurrency: str = DEFAULT_CON
                     with ExitStack() as round_runtimes:
                         for s, (first, end) in enumerate(cuts[c]):
                             turn = rnd * len(cuts[c]) + s
-                            for m in names[turn % len(names):] + names[:turn % len(names)]:
+                            for m in mode_order(names, turn):
                                 bar.set_postfix_str(f"c={c} {m} round {rnd + 1}/{rounds}"
                                                     + (f" slice {s + 1}/{len(cuts[c])}" if len(cuts[c]) > 1 else ""))
                                 if m in peer_by_mode:  # other processes: a whole run, in the round's first slice

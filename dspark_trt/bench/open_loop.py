@@ -9,7 +9,7 @@ Method (docs/open-loop.md)
   given as multiples (``0.5x``) are multiples of it; every rate's load (rate / capacity) is recorded.
 - For each rate: ``rounds`` rounds; in a round every mode runs the same arrival times (seeded Poisson,
   a run of ``num_prompts`` arrivals or of ``duration`` seconds) and the same requests (workload.py), modes
-  in turn, the order rotated each round. A run lasts until its last request is answered.
+  in turn, in balanced orders (options.mode_order). A run lasts until its last request is answered.
 - Latencies count from the scheduled arrival (a client that falls behind does not hide the delay).
 - Output tok/s is counted while requests arrive (latency.window_tok_s); the whole-run figure is kept too.
 """
@@ -23,8 +23,8 @@ import numpy as np
 
 from dspark_trt.bench.arrivals import poisson_arrivals
 from dspark_trt.bench.latency import request_latencies, summarize_open, tokens_between, window_tok_s
-from dspark_trt.bench.options import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, OPEN_QUICK, parse_capacity,
-                                      parse_modes, parse_rates)
+from dspark_trt.bench.options import (DEFAULT_SLO_TPOT_MS, DEFAULT_SLO_TTFT_MS, OPEN_QUICK, mode_order,
+                                      parse_capacity, parse_modes, parse_rates)
 from dspark_trt.bench.workload import build_requests, parse_temperature, parse_workload
 from dspark_trt.errors import DsparkError
 from dspark_trt.runtime.config import fixed_k_limit
@@ -135,9 +135,8 @@ def run_open_loop(artifact_dir, *, backend: str = "ort", rates="auto", modes: st
         for k, (rate, label) in enumerate(rows):
             raw = {m: [] for m in mode_list}
             for rnd in range(int(rounds)):
-                order = mode_list[rnd % len(mode_list):] + mode_list[:rnd % len(mode_list)]
                 arr = schedules[k][rnd]
-                for m in order:
+                for m in mode_order(mode_list, rnd):
                     if progress:
                         say(f"rate {rate:.2f}/s ({label}) round {rnd + 1}/{rounds} {m}: {len(arr)} requests")
                     recs, wall = drive.run(items[rnd][:len(arr)], arr, m)

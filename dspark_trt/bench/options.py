@@ -47,6 +47,32 @@ def run_slices(n_requests: int, concurrency: int) -> list[tuple[int, int]]:
     return list(zip(cuts, cuts[1:]))
 
 
+def mode_order(names: list, turn: int) -> list:
+    """The order the modes run in at this turn (round, or slice of a round): a Williams design, whose
+    2n orders (n for an even n) put every mode right after every other mode equally often, and in every
+    position equally often.
+
+    Why not a rotation: rotated by one each turn, three modes always ran in the same cyclic order, so
+    adaptive always followed fixed:3 and `off` adaptive, and whatever one run leaves the next (the learned
+    tables, the graph in memory, a queue's tail) fell on one mode only: an 8-round open loop read adaptive's
+    TPOT 0.98-1.01x `off`'s in rounds that began with `off` and 1.10x in those that began with adaptive
+    (lab notes, thirty-fourth session)."""
+    n = len(names)
+    if n < 3:
+        return list(names[turn % n:] + names[:turn % n]) if n else []
+    base, lo, hi = [0], 1, n - 1
+    while len(base) < n:
+        base.append(lo)
+        lo += 1
+        if len(base) < n:
+            base.append(hi)
+            hi -= 1
+    orders = [[(b + i) % n for b in base] for i in range(n)]
+    if n % 2:
+        orders += [o[::-1] for o in orders]
+    return [names[i] for i in orders[turn % len(orders)]]
+
+
 def parse_concurrency(value) -> list[int]:
     """'1,2,4' -> [1, 2, 4] (sorted, duplicates dropped); a bad value is a DsparkError."""
     items = [s.strip() for s in str(value).split(",")] if not isinstance(value, (list, tuple)) else list(value)
