@@ -510,4 +510,3 @@ def test_modes_run_in_orders_where_each_follows_every_other_equally_often_and_ho
     assert len(set(follows.values())) == 1
     for place in range(n):
         assert Counter(o[place] for o in orders) == Counter({m: cycle // n for m in names})
-

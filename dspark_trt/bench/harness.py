@@ -10,9 +10,10 @@ Method
   max_new_tokens tokens (EOS does not stop it), so every mode emits the same tokens.
 - For each concurrency the modes run in turn (interleaved), ``rounds`` times in balanced orders
   (options.mode_order), so slow machine drift hits all modes alike; a (mode, c) row aggregates its
-  rounds. Within a round the modes take turns slice by slice (options.run_slices: 8 requests at a time at one request, one
-  slice from 16 requests on), every mode's slice the same requests, the order changed each slice: the
-  machine's speed moves within seconds, and whole runs taken one after the other were far apart by luck.
+  rounds. Within a round the modes take turns slice by slice (options.run_slices: 8 requests at a time
+  at one request, one slice from 16 requests on), every mode's slice the same requests, the order
+  changed each slice: the machine's speed moves within seconds, and whole runs taken one after the other
+  were far apart by luck.
 - Concurrency above the artifact's max batch is capped to it (said on the console and in results.json).
 
 Outputs (in ``out_dir``; when it already holds results, in a new ``out_dir/run-YYYYmmdd-HHMMSS``

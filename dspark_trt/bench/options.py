@@ -50,17 +50,17 @@ def run_slices(n_requests: int, concurrency: int) -> list[tuple[int, int]]:
 def mode_order(names: list, turn: int) -> list:
     """The order the modes run in at this turn (round, or slice of a round): a Williams design, whose
     2n orders (n for an even n) put every mode right after every other mode equally often, and in every
-    position equally often.
+    place equally often.
 
-    Why not a rotation: rotated by one each turn, three modes always ran in the same cyclic order, so
-    adaptive always followed fixed:3 and `off` adaptive, and whatever one run leaves the next (the learned
-    tables, the graph in memory, a queue's tail) fell on one mode only: an 8-round open loop read adaptive's
-    TPOT 0.98-1.01x `off`'s in rounds that began with `off` and 1.10x in those that began with adaptive
-    (lab notes, thirty-fourth session)."""
+    Why not a rotation: rotated by one each turn, three modes always ran in one cyclic order (adaptive
+    always after fixed:3, `off` always after adaptive), so whatever a run leaves the next one (learned
+    tables, the graph in memory, a queue's tail) fell on one mode only. An 8-round open loop's ratios
+    seemed to follow the order; 12 balanced rounds showed no such pattern, but only a balanced design
+    can tell (lab notes, thirty-fourth and thirty-fifth sessions)."""
     n = len(names)
-    if n < 3:
-        return list(names[turn % n:] + names[:turn % n]) if n else []
-    base, lo, hi = [0], 1, n - 1
+    if not n:
+        return []
+    base, lo, hi = [0], 1, n - 1  # 0, 1, n-1, 2, n-2, ...
     while len(base) < n:
         base.append(lo)
         lo += 1
