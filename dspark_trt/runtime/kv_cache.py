@@ -40,6 +40,10 @@ class KVCache:
         for buf in (*self.keys, *self.values):
             buf[:length, dst] = buf[:length, src]
 
+    def buffers(self) -> list[np.ndarray]:
+        """Every host buffer this cache holds (what the prefault maps and release drops)."""
+        return [*self.keys, *self.values]
+
     def release(self) -> None:
         """Drop the buffers (the runtime closed): their memory goes back now, not when the garbage collector
         gets to the runtime's reference cycles."""

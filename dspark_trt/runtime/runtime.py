@@ -366,8 +366,7 @@ class Runtime:
         from dspark_trt.runtime.prefault import prefault_in_background
 
         if self._prefault is None:
-            self._prefault = prefault_in_background(
-                [b for c in self._host_caches() for b in (*c.keys, *c.values, *getattr(c, "slot_major", ()))])
+            self._prefault = prefault_in_background([b for c in self._host_caches() for b in c.buffers()])
             self._mapping_since = time.monotonic()
 
     def wait_prefaulted(self) -> None:

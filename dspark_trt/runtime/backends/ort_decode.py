@@ -89,6 +89,9 @@ class MirroredKVCache(KVCache):
         self.host_hi = np.zeros(slots, dtype=np.int64)
         self.sync_ms = 0.0  # time spent in both syncs so far: a switch's cost, which callers keep out of call prices
 
+    def buffers(self) -> list[np.ndarray]:
+        return [*super().buffers(), *self.slot_major]
+
     def release(self) -> None:
         super().release()
         self.slot_major, self._sm_flat, self._host_rows = [], [], []
